@@ -1,0 +1,135 @@
+"""Plain data shared by the daemon and the training side (standard library only).
+
+These mirror the HTTP contract in ARCHITECTURE.md ("HTTP contract (v1)"). ``from_json``
+validates what comes off the wire and raises ``ValueError`` with a clear message; the
+client turns that into "no answer" rather than an exception in the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = ["KIND_PREEMPTION", "KIND_SCHEDULED_RELEASE", "Decision", "Expiry", "decide"]
+
+KIND_SCHEDULED_RELEASE = "scheduled-release"
+KIND_PREEMPTION = "preemption-notice"
+
+
+def _number(body: Mapping[str, Any], key: str, *, optional: bool = True) -> Optional[float]:
+    value = body.get(key)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"field {key!r} is missing")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"field {key!r} is not a number: {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"field {key!r} is not finite: {value!r}")
+    return float(value)
+
+
+def _text(body: Mapping[str, Any], key: str) -> Optional[str]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} is not a string: {value!r}")
+    return value
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"field {key!r} is not a boolean: {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """The body of ``GET /v1/expiry``: the earliest known deadline and how fresh it is."""
+
+    expires_at: Optional[str]
+    expires_at_unix: Optional[float]
+    remaining_seconds: Optional[float]
+    kind: Optional[str]
+    source: Optional[str]
+    instance_id: Optional[str]
+    scheduled_instance_id: Optional[str]
+    observed_at: Optional[str]
+    age_seconds: Optional[float]
+    stale: bool
+    error: Optional[str]
+    server_time_unix: float
+    # Set when the deadline came without a UTC offset and was read in this zone.
+    assumed_timezone: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Any) -> Expiry:
+        if not isinstance(body, Mapping):
+            raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+        server_time = _number(body, "server_time_unix", optional=False)
+        assert server_time is not None
+        return cls(
+            expires_at=_text(body, "expires_at"),
+            expires_at_unix=_number(body, "expires_at_unix"),
+            remaining_seconds=_number(body, "remaining_seconds"),
+            kind=_text(body, "kind"),
+            source=_text(body, "source"),
+            instance_id=_text(body, "instance_id"),
+            scheduled_instance_id=_text(body, "scheduled_instance_id"),
+            observed_at=_text(body, "observed_at"),
+            age_seconds=_number(body, "age_seconds"),
+            stale=_flag(body, "stale"),
+            error=_text(body, "error"),
+            server_time_unix=server_time,
+            assumed_timezone=_text(body, "assumed_timezone"),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The body of ``GET /v1/decision``: the seed rule evaluated once."""
+
+    save_now: bool
+    remaining_seconds: Optional[float]
+    budget_seconds: float
+    expires_at: Optional[str]
+    stale: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: Any) -> Decision:
+        if not isinstance(body, Mapping):
+            raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+        budget = _number(body, "budget_seconds", optional=False)
+        assert budget is not None
+        return cls(
+            save_now=_flag(body, "save_now"),
+            remaining_seconds=_number(body, "remaining_seconds"),
+            budget_seconds=budget,
+            expires_at=_text(body, "expires_at"),
+            stale=_flag(body, "stale"),
+        )
+
+
+def decide(
+    remaining_seconds: Optional[float],
+    step_seconds: float,
+    save_seconds: float,
+    redundant_seconds: float,
+) -> tuple[bool, float]:
+    """The seed rule: save when ``0 < remaining <= step + save + redundant``.
+
+    Returns ``(save_now, budget_seconds)``. No deadline, or one already passed, never
+    asks for a save: there is nothing left to save before.
+    """
+    budget = step_seconds + save_seconds + redundant_seconds
+    save_now = remaining_seconds is not None and 0 < remaining_seconds <= budget
+    return save_now, budget

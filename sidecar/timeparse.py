@@ -1,0 +1,156 @@
+"""Every timestamp format we accept -> an aware UTC datetime, or a clear error.
+
+Standard library only: the training-side client shares this module.
+
+Accepted:
+- RFC 3339 / ISO 8601 date-times with ``Z``, ``UTC`` or an offset
+  (``2026-02-01T12:00:00+08:00``, ``2026-02-01 04:00:00Z``, fractional seconds);
+- Unix time as a number or a numeric string, in seconds or milliseconds, told apart
+  by magnitude (AWS documents its capacity-block timestamp in seconds on one page and
+  in milliseconds on another, so we must accept both);
+- a naive date-time (no offset), read in a configured time zone (default UTC); the
+  result says which zone was assumed so callers can report it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone, tzinfo
+from typing import Optional, Union
+
+__all__ = [
+    "ParsedTime",
+    "TimestampError",
+    "format_rfc3339",
+    "parse_timestamp",
+    "parse_unix",
+]
+
+# Below this a number is Unix seconds (1e11 s is the year 5138); below MAX_MILLIS it is
+# milliseconds (1e11 ms is 1973, 1e14 ms is the year 5138). Larger numbers (micro- or
+# nanoseconds) are rejected rather than guessed.
+_MILLIS_FROM = 1e11
+_MAX_MILLIS = 1e14
+
+_ISO = re.compile(
+    r"""^\s*
+    (?P<year>\d{4})-(?P<month>\d{2})-(?P<day>\d{2})
+    [Tt\s]
+    (?P<hour>\d{2}):(?P<minute>\d{2})
+    (?::(?P<second>\d{2})(?:[.,](?P<fraction>\d+))?)?
+    \s*(?P<zone>[Zz]|UTC|GMT|[+-]\d{2}(?::?\d{2})?)?
+    \s*$""",
+    re.VERBOSE,
+)
+_NUMBER = re.compile(r"^\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*$")
+
+
+class TimestampError(ValueError):
+    """A value that is not a timestamp we understand. The message names the value."""
+
+
+@dataclass(frozen=True)
+class ParsedTime:
+    """An aware UTC instant, and the zone assumed when the input had none."""
+
+    when: datetime
+    assumed_timezone: Optional[str] = None
+
+    @property
+    def unix(self) -> float:
+        return self.when.timestamp()
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_unix(number: float, *, original: object = None) -> datetime:
+    """Unix seconds or milliseconds (decided by magnitude) -> aware UTC datetime."""
+    shown = _describe(number if original is None else original)
+    if isinstance(number, bool) or not math.isfinite(number):
+        raise TimestampError(f"not a timestamp: {shown}")
+    if number <= 0:
+        raise TimestampError(f"not a timestamp (zero or negative Unix time): {shown}")
+    if number >= _MAX_MILLIS:
+        raise TimestampError(
+            f"not a timestamp: {shown} is too large for Unix seconds or milliseconds"
+        )
+    seconds = number / 1000.0 if number >= _MILLIS_FROM else float(number)
+    return datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=seconds)
+
+
+def _zone_offset(zone: str) -> timezone:
+    if zone in ("Z", "z", "UTC", "GMT"):
+        return timezone.utc
+    sign = -1 if zone[0] == "-" else 1
+    digits = zone[1:].replace(":", "")
+    hours = int(digits[:2])
+    minutes = int(digits[2:4]) if len(digits) >= 4 else 0
+    if hours > 23 or minutes > 59:
+        raise ValueError("offset out of range")
+    return timezone(sign * timedelta(hours=hours, minutes=minutes))
+
+
+def _zone_name(zone: tzinfo) -> str:
+    key = getattr(zone, "key", None)  # zoneinfo.ZoneInfo
+    if isinstance(key, str):
+        return key
+    return str(zone.tzname(None) or zone)
+
+
+def parse_timestamp(
+    value: Union[str, int, float], *, naive_timezone: tzinfo = timezone.utc
+) -> ParsedTime:
+    """Parse one timestamp. Raises :class:`TimestampError` naming the value."""
+    if isinstance(value, bool) or value is None:
+        raise TimestampError(f"not a timestamp: {_describe(value)}")
+    if isinstance(value, (int, float)):
+        return ParsedTime(parse_unix(float(value), original=value).astimezone(timezone.utc))
+    if not isinstance(value, str):
+        raise TimestampError(f"not a timestamp: {_describe(value)}")
+    if not value.strip():
+        raise TimestampError("empty timestamp")
+    if _NUMBER.match(value):
+        return ParsedTime(parse_unix(float(value), original=value))
+    match = _ISO.match(value)
+    if match is None:
+        raise TimestampError(
+            f"not a timestamp: {_describe(value)} (expected RFC 3339 such as "
+            "'2026-02-01T12:00:00+08:00', or Unix seconds / milliseconds)"
+        )
+    parts = match.groupdict()
+    fraction = (parts["fraction"] or "0")[:6].ljust(6, "0")
+    try:
+        zone = _zone_offset(parts["zone"]) if parts["zone"] else None
+        local = datetime(
+            int(parts["year"]),
+            int(parts["month"]),
+            int(parts["day"]),
+            int(parts["hour"]),
+            int(parts["minute"]),
+            int(parts["second"] or 0),
+            int(fraction),
+        )
+    except ValueError as exc:
+        raise TimestampError(f"not a valid date-time: {_describe(value)} ({exc})") from None
+    if zone is not None:
+        return ParsedTime(local.replace(tzinfo=zone).astimezone(timezone.utc))
+    aware = local.replace(tzinfo=naive_timezone)
+    return ParsedTime(aware.astimezone(timezone.utc), assumed_timezone=_zone_name(naive_timezone))
+
+
+def format_rfc3339(when: Union[datetime, float]) -> str:
+    """An aware datetime or Unix seconds -> ``2026-11-29T14:00:00Z`` (fraction if any)."""
+    if not isinstance(when, datetime):
+        when = datetime.fromtimestamp(when, tz=timezone.utc)
+    elif when.tzinfo is None:
+        raise ValueError("naive datetime: refusing to guess its time zone")
+    when = when.astimezone(timezone.utc)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    if when.microsecond:
+        text += f".{when.microsecond:06d}".rstrip("0")
+    return text + "Z"
