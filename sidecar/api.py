@@ -1,0 +1,193 @@
+"""The local HTTP API: ``create_app(store)`` -> FastAPI. Reads the store, nothing else.
+
+Bodies are serialised with ``json.dumps`` into a plain ``Response``: the training loop may
+ask every step, and skipping FastAPI's generic encoder keeps ``/v1/expiry`` close to the
+speed of a bare ASGI app. The OpenAPI schema still documents every field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from sidecar import __version__
+from sidecar.models import decide
+from sidecar.store import Store
+
+__all__ = ["create_app"]
+
+
+class ExpiryBody(BaseModel):
+    """Schema of ``GET /v1/expiry`` (see ARCHITECTURE.md, HTTP contract v1)."""
+
+    expires_at: Optional[str]
+    expires_at_unix: Optional[float]
+    remaining_seconds: Optional[float]
+    kind: Optional[str]
+    source: Optional[str]
+    instance_id: Optional[str]
+    scheduled_instance_id: Optional[str]
+    observed_at: Optional[str]
+    age_seconds: Optional[float]
+    stale: bool
+    error: Optional[str]
+    server_time_unix: float
+    assumed_timezone: Optional[str] = None
+
+
+class DecisionBody(BaseModel):
+    save_now: bool
+    remaining_seconds: Optional[float]
+    budget_seconds: float
+    expires_at: Optional[str]
+    stale: bool
+
+
+class HealthBody(BaseModel):
+    status: str
+    reason: Optional[str] = None
+    sources: dict[str, Any] = {}
+
+
+def _json(body: Any, status_code: int = 200) -> Response:
+    return Response(
+        json.dumps(body, separators=(",", ":")).encode(),
+        status_code=status_code,
+        media_type="application/json",
+    )
+
+
+def _seconds(description: str, default: Any = ...) -> Any:
+    return Query(default, ge=0, allow_inf_nan=False, description=description)
+
+
+def create_app(
+    store: Store,
+    *,
+    lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None,
+    clock: Callable[[], float] = time.time,
+) -> FastAPI:
+    app = FastAPI(
+        title="esi-sidecar",
+        version=__version__,
+        summary="Time left before this machine is released, for training jobs to save in time.",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error.get("loc", ()) if part != "query")
+            problems.append(f"{where}: {error.get('msg')}")
+        return _json({"error": "; ".join(problems), "detail": exc.errors()}, 422)
+
+    @app.get("/v1/expiry", response_model=ExpiryBody, summary="The earliest known deadline")
+    def expiry() -> Response:
+        return _json(store.expiry(clock()).to_json())
+
+    @app.get("/v1/decision", response_model=DecisionBody, summary="Save now? (the seed rule)")
+    def decision(
+        step_seconds: float = _seconds("longest recent step, seconds"),
+        save_seconds: float = _seconds("time one save takes, seconds", 60.0),
+        redundant_seconds: float = _seconds("safety margin, seconds", 120.0),
+    ) -> Response:
+        current = store.expiry(clock())
+        save_now, budget = decide(
+            current.remaining_seconds, step_seconds, save_seconds, redundant_seconds
+        )
+        return _json(
+            {
+                "save_now": save_now,
+                "remaining_seconds": current.remaining_seconds,
+                "budget_seconds": budget,
+                "expires_at": current.expires_at,
+                "stale": current.stale,
+            }
+        )
+
+    @app.get(
+        "/healthz",
+        response_model=HealthBody,
+        summary="200 when the last successful poll is fresh, 503 otherwise",
+        responses={503: {"model": HealthBody}},
+    )
+    def healthz() -> Response:
+        now = clock()
+        health = store.health(now)
+        sources = {
+            status.name: {
+                "last_success_age_seconds": status.age(now),
+                "restored": status.restored,
+                "error": status.error,
+                "consecutive_failures": status.consecutive_failures,
+            }
+            for status in store.snapshot().sources
+        }
+        body = {"status": health.status, "reason": health.reason, "sources": sources}
+        return _json(body, 200 if health.ok else 503)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StoreCollector(store, clock))
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _StoreCollector:
+    """Reads the store at scrape time; registered in the app's own registry only."""
+
+    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+
+    def collect(self) -> list[Metric]:
+        now = self._clock()
+        snapshot = self._store.snapshot()
+        current = self._store.expiry(now)
+        remaining = GaugeMetricFamily(
+            "esi_sidecar_remaining_seconds",
+            "Seconds until the earliest known deadline (absent when none is known)",
+        )
+        deadline = GaugeMetricFamily(
+            "esi_sidecar_deadline_timestamp_seconds",
+            "Unix time of the earliest known deadline (absent when none is known)",
+        )
+        if current.expires_at_unix is not None and current.remaining_seconds is not None:
+            remaining.add_metric([], current.remaining_seconds)
+            deadline.add_metric([], current.expires_at_unix)
+        stale = GaugeMetricFamily("esi_sidecar_stale", "1 when the deadline may be out of date")
+        stale.add_metric([], 1.0 if current.stale else 0.0)
+        polls = CounterMetricFamily(
+            "esi_sidecar_polls", "Polls by source and outcome", labels=["source", "outcome"]
+        )
+        last_success = GaugeMetricFamily(
+            "esi_sidecar_last_success_timestamp_seconds",
+            "Unix time of the last successful poll",
+            labels=["source"],
+        )
+        failures = GaugeMetricFamily(
+            "esi_sidecar_consecutive_failures", "Failed polls in a row", labels=["source"]
+        )
+        for status in snapshot.sources:
+            for outcome, count in status.polls:
+                polls.add_metric([status.name, outcome], count)
+            if status.observed_at_unix is not None and not status.restored:
+                last_success.add_metric([status.name], status.observed_at_unix)
+            failures.add_metric([status.name], status.consecutive_failures)
+        healthy = GaugeMetricFamily("esi_sidecar_healthy", "1 when /healthz answers 200")
+        healthy.add_metric([], 1.0 if self._store.health(now).ok else 0.0)
+        return [remaining, deadline, stale, polls, last_success, failures, healthy]

@@ -1,0 +1,242 @@
+"""Daemon settings: flags > ESI_SIDECAR_* environment > defaults, validated at start.
+
+Each setting is written once, in ``OPTIONS``: the argparse flag, the environment name,
+the parser, the default and the help text all come from that one row, so they cannot
+drift apart. ``Settings`` only stores values; the daemon does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta, timezone, tzinfo
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from sidecar.timeparse import TimestampError, parse_timestamp
+
+__all__ = ["OPTIONS", "ConfigError", "Settings", "add_arguments", "load_settings"]
+
+DEFAULT_LISTEN = "127.0.0.1:8791"
+DEFAULT_METADATA_URL = "http://100.96.0.96"
+ENV_PREFIX = "ESI_SIDECAR_"
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message is one line and names the flag and the variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: tuple[tuple[str, int], ...] = (("127.0.0.1", 8791),)
+    sources: tuple[str, ...] = ("volcengine-esi",)
+    instance_id: Optional[str] = None
+    scheduled_instance_id: Optional[str] = None
+    region: Optional[str] = None
+    api_endpoint: Optional[str] = None
+    metadata_url: str = DEFAULT_METADATA_URL
+    poll_interval: float = 30.0
+    stale_after: Optional[float] = None  # None: 3 x poll_interval (see effective_stale_after)
+    state_file: Optional[Path] = None
+    log_level: str = "INFO"
+    expires_at: Optional[str] = None
+    naive_timezone: tzinfo = field(default=timezone.utc)
+
+    @property
+    def effective_stale_after(self) -> float:
+        return self.stale_after if self.stale_after is not None else 3 * self.poll_interval
+
+
+# ---------------------------------------------------------------- value parsers
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _address(text: str) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [::1]:8791
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise ValueError("IPv6 addresses are written [::1]:8791")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8791")
+    if not host:
+        raise ValueError("the host is empty (use 0.0.0.0 to listen everywhere)")
+    number = int(port)
+    if not 0 <= number <= 65535:
+        raise ValueError("port out of range")
+    return host, number
+
+
+def _addresses(text: str) -> tuple[tuple[str, int], ...]:
+    parts = [part for part in text.split(",") if part.strip()]
+    if not parts:
+        raise ValueError("no address given")
+    return tuple(_address(part) for part in parts)
+
+
+def _source_names(text: str) -> tuple[str, ...]:
+    from sidecar.sources import canonical_name
+
+    names = [part for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("no source given")
+    return tuple(dict.fromkeys(canonical_name(name) for name in names))
+
+
+def _text(text: str) -> str:
+    text = text.strip()
+    if not text:
+        raise ValueError("is empty")
+    return text
+
+
+def _url(text: str) -> str:
+    text = text.strip().rstrip("/")
+    if not text.startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://")
+    return text
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return level
+
+
+def _timestamp(text: str) -> str:
+    parse_timestamp(text)  # validate now, so a typo stops start-up rather than every poll
+    return text.strip()
+
+
+def _zone(text: str) -> tzinfo:
+    text = text.strip()
+    if text.upper() in ("UTC", "Z"):
+        return timezone.utc
+    if text[:1] in "+-":  # a fixed offset such as +08:00
+        sign = -1 if text[0] == "-" else 1
+        hours, _, minutes = text[1:].partition(":")
+        return timezone(sign * timedelta(hours=int(hours), minutes=int(minutes or 0)))
+    from zoneinfo import ZoneInfo
+
+    try:
+        return ZoneInfo(text)
+    except Exception:
+        raise ValueError("unknown time zone (use an IANA name such as Asia/Shanghai)") from None
+
+
+# ---------------------------------------------------------------- the one table
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # attribute of Settings
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = "VALUE"
+    repeatable: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
+           f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
+           "HOST:PORT", repeatable=True),
+    Option("source", _source_names, "where the deadline comes from: volcengine-esi (default), "
+           "env, static; comma-separate several (the earliest deadline wins)", "NAME",
+           repeatable=True),
+    Option("instance_id", _text, "ECS instance id (default: ask the metadata service)", "ID"),
+    Option("scheduled_instance_id", _text, "ESI scheduled instance id (default: look it up "
+           "with DescribeInstances)", "ID"),
+    Option("region", _text, "region, e.g. cn-beijing (default: ask the metadata service)"),
+    Option("api_endpoint", _url, "ECS OpenAPI endpoint (default: the SDK's endpoint for the "
+           "region); a URL such as http://127.0.0.1:9000 points at the emulator", "URL"),
+    Option("metadata_url", _url, f"ECS metadata service (default {DEFAULT_METADATA_URL})",
+           "URL"),
+    Option("poll_interval", _positive_seconds, "seconds between polls (default 30, with "
+           "+-10%% jitter)", "SECONDS"),
+    Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
+           "long (default 3 x poll interval)", "SECONDS"),
+    Option("state_file", Path, "where the last good state is kept across restarts (default: "
+           "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
+    Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
+    Option("expires_at", _timestamp, "the deadline for the static source: RFC 3339 or Unix "
+           "seconds / milliseconds", "TIME"),
+    Option("timezone", _zone, "time zone for timestamps that carry no offset (default UTC)",
+           "ZONE"),
+)
+
+# Option name -> Settings attribute, where they differ.
+_ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option as a flag. Defaults stay None so we can tell 'not given'."""
+    for option in OPTIONS:
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            action="append" if option.repeatable else "store",
+            metavar=option.metavar,
+            help=f"{option.help} [env {option.env}]",
+        )
+
+
+def load_settings(
+    given: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None
+) -> Settings:
+    """Flags (``given``, e.g. ``vars(namespace)``) > environment > defaults."""
+    given = dict(given or {})
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw = given.get(option.name)
+        origin = option.flag
+        if isinstance(raw, list):
+            raw = ",".join(raw)
+        if raw is None:
+            raw = environ.get(option.env)
+            origin = option.env
+            if raw is not None and not raw.strip():
+                raw = None  # an empty variable means "not set", as in the shell
+        if raw is None:
+            continue
+        try:
+            values[_ATTRIBUTE.get(option.name, option.name)] = option.parse(str(raw))
+        except (ValueError, TimestampError) as exc:
+            raise ConfigError(f"invalid {origin} value {str(raw)!r}: {exc}") from None
+    if "state_file" not in values and environ.get("STATE_DIRECTORY"):
+        # systemd's StateDirectory= sets this (several paths are colon-separated).
+        values["state_file"] = Path(environ["STATE_DIRECTORY"].split(":")[0]) / "state.json"
+    settings = Settings(**values)
+    _check(settings)
+    return settings
+
+
+def _check(settings: Settings) -> None:
+    if "static" in settings.sources and settings.expires_at is None:
+        raise ConfigError(
+            "the static source needs a deadline: --expires-at TIME or ESI_SIDECAR_EXPIRES_AT"
+        )
+    if settings.effective_stale_after < settings.poll_interval:
+        raise ConfigError(
+            f"--stale-after ({settings.effective_stale_after:g} s) is shorter than "
+            f"--poll-interval ({settings.poll_interval:g} s): every answer would be stale"
+        )

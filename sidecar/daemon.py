@@ -1,0 +1,107 @@
+"""Wires settings -> sources -> store -> poller -> API -> uvicorn.
+
+The poller starts and stops inside the FastAPI lifespan, not around ``Server.run()``:
+uvicorn re-raises SIGTERM after its own graceful shutdown, so code after ``run()`` may
+never execute, and the state file must still be flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+from sidecar.api import create_app
+from sidecar.config import Settings
+from sidecar.poller import Poller
+from sidecar.sources import create_source
+from sidecar.store import Store
+
+__all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]
+
+log = logging.getLogger("sidecar.daemon")
+
+SHUTDOWN_GRACE_SECONDS = 3.0  # plus the poller's join: well inside systemd's 5 s budget
+
+
+@dataclass
+class Daemon:
+    settings: Settings
+    store: Store
+    poller: Poller
+    app: FastAPI
+
+
+def build_daemon(settings: Settings) -> Daemon:
+    sources = [create_source(name, settings) for name in settings.sources]
+    store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
+    poller = Poller(
+        sources, store, interval=settings.poll_interval, state_file=settings.state_file
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poller.start()
+        try:
+            yield
+        finally:
+            poller.stop()
+            log.info("stopped; state flushed")
+
+    return Daemon(settings, store, poller, create_app(store, lifespan=lifespan))
+
+
+def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:
+    """Bind every listen address up front so a bad one stops start-up with a clear line."""
+    bound: list[socket.socket] = []
+    try:
+        for host, port in addresses:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                sock.close()
+                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            sock.set_inheritable(True)
+            bound.append(sock)
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def make_server(daemon: Daemon) -> uvicorn.Server:
+    config = uvicorn.Config(
+        daemon.app,
+        log_config=None,  # our logging setup; no access log: clients ask every step
+        access_log=False,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS),
+        timeout_keep_alive=30,
+        lifespan="on",
+    )
+    return uvicorn.Server(config)
+
+
+def run(settings: Settings, sockets: Optional[list[socket.socket]] = None) -> None:
+    """Serve until SIGTERM/SIGINT. Raises OSError for an address that cannot be bound."""
+    sockets = sockets if sockets is not None else bind_sockets(settings.listen)
+    daemon = build_daemon(settings)
+    addresses = ", ".join(_format_address(sock) for sock in sockets)
+    log.info("serving on %s (sources: %s)", addresses, ", ".join(settings.sources))
+    make_server(daemon).run(sockets=sockets)
+
+
+def _format_address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,207 @@
+"""Current state per source, behind one lock. Readers get frozen copies.
+
+The store schedules nothing and does no I/O: the poller writes, the API reads. It turns
+per-source state into the ``/v1/expiry`` body (the earliest known deadline wins) and the
+``/healthz`` verdict. Deadlines are absolute Unix times; ages are measured on the wall
+clock because the last good state survives restarts through the state file.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+from sidecar.models import Expiry
+from sidecar.sources.base import Observation
+from sidecar.timeparse import format_rfc3339
+
+__all__ = ["OUTCOMES", "Health", "Snapshot", "SourceStatus", "Store"]
+
+OUTCOMES = ("ok", "error", "throttled")
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    name: str
+    observation: Optional[Observation] = None  # the last good one
+    observed_at_unix: Optional[float] = None  # when it was last confirmed by a poll
+    restored: bool = False  # came from the state file; not yet confirmed by this process
+    error: Optional[str] = None  # last poll's error; None after a success
+    last_attempt_unix: Optional[float] = None
+    consecutive_failures: int = 0
+    polls: tuple[tuple[str, int], ...] = tuple((outcome, 0) for outcome in OUTCOMES)
+
+    def age(self, now: float) -> Optional[float]:
+        return None if self.observed_at_unix is None else now - self.observed_at_unix
+
+    def is_fresh(self, now: float, stale_after: float) -> bool:
+        age = self.age(now)
+        return not self.restored and age is not None and age <= stale_after
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    sources: tuple[SourceStatus, ...]
+    stale_after: float
+    started_at_unix: float
+
+
+@dataclass(frozen=True)
+class Health:
+    status: str  # "ok" | "starting" | "degraded"
+    reason: Optional[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class Store:
+    def __init__(
+        self,
+        source_names: Sequence[str],
+        *,
+        stale_after: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not source_names:
+            raise ValueError("a store needs at least one source")
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._stale_after = stale_after
+        self._started = clock()
+        self._sources = {name: SourceStatus(name) for name in source_names}
+
+    # ------------------------------------------------------------------ writers
+
+    def record_success(
+        self, name: str, observation: Observation, at: Optional[float] = None
+    ) -> bool:
+        """Keep a good poll. Returns True when the observation differs from the last one."""
+        at = self._clock() if at is None else at
+        with self._lock:
+            old = self._sources[name]
+            self._sources[name] = replace(
+                old,
+                observation=observation,
+                observed_at_unix=at,
+                restored=False,
+                error=None,
+                last_attempt_unix=at,
+                consecutive_failures=0,
+                polls=_count(old.polls, "ok"),
+            )
+        return old.observation != observation
+
+    def record_failure(
+        self, name: str, message: str, *, throttled: bool = False, at: Optional[float] = None
+    ) -> None:
+        """Keep the error; the last good observation stays served."""
+        at = self._clock() if at is None else at
+        with self._lock:
+            old = self._sources[name]
+            self._sources[name] = replace(
+                old,
+                error=message,
+                last_attempt_unix=at,
+                consecutive_failures=old.consecutive_failures + 1,
+                polls=_count(old.polls, "throttled" if throttled else "error"),
+            )
+
+    def restore(self, name: str, observation: Observation, observed_at_unix: float) -> None:
+        """Load a state saved by an earlier run; served as stale until a poll confirms it."""
+        with self._lock:
+            if name in self._sources and self._sources[name].observation is None:
+                self._sources[name] = replace(
+                    self._sources[name],
+                    observation=observation,
+                    observed_at_unix=observed_at_unix,
+                    restored=True,
+                )
+
+    # ------------------------------------------------------------------ readers
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            sources = tuple(self._sources.values())  # frozen: safe to hand out
+        return Snapshot(sources, self._stale_after, self._started)
+
+    def expiry(self, now: Optional[float] = None) -> Expiry:
+        now = self._clock() if now is None else now
+        return build_expiry(self.snapshot(), now)
+
+    def health(self, now: Optional[float] = None) -> Health:
+        now = self._clock() if now is None else now
+        return build_health(self.snapshot(), now)
+
+
+def _count(polls: tuple[tuple[str, int], ...], outcome: str) -> tuple[tuple[str, int], ...]:
+    return tuple((name, count + (name == outcome)) for name, count in polls)
+
+
+def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
+    """The earliest known deadline across sources, with the freshness of the whole picture.
+
+    ``stale`` is true when any source lacks a fresh success: a source we cannot hear from
+    might hold an earlier deadline, and the client should know. ``observed_at`` is the
+    oldest of the sources' last successes, for the same reason.
+    """
+    with_deadline = [
+        status
+        for status in snapshot.sources
+        if status.observation is not None and status.observation.expires_at_unix is not None
+    ]
+    chosen = min(
+        with_deadline,
+        key=lambda status: status.observation.expires_at_unix,  # type: ignore[union-attr]
+        default=None,
+    )
+    observed = [s.observed_at_unix for s in snapshot.sources if s.observed_at_unix is not None]
+    observed_at = min(observed) if len(observed) == len(snapshot.sources) else None
+    errors = [s for s in snapshot.sources if s.error]
+    if len(snapshot.sources) == 1:
+        error = errors[0].error if errors else None
+    else:
+        error = "; ".join(f"{s.name}: {s.error}" for s in errors) or None
+    stale = not all(s.is_fresh(now, snapshot.stale_after) for s in snapshot.sources)
+    # Identity fields come from the source that gave the deadline, else from any that knows.
+    identity = chosen or next((s for s in snapshot.sources if s.observation), None)
+    observation = identity.observation if identity else None
+    deadline = chosen.observation.expires_at_unix if chosen and chosen.observation else None
+    return Expiry(
+        expires_at=format_rfc3339(deadline) if deadline is not None else None,
+        expires_at_unix=deadline,
+        remaining_seconds=None if deadline is None else deadline - now,
+        kind=chosen.observation.kind if chosen and chosen.observation else None,
+        source=chosen.name if chosen else (identity.name if identity else None),
+        instance_id=observation.instance_id if observation else None,
+        scheduled_instance_id=observation.scheduled_instance_id if observation else None,
+        observed_at=format_rfc3339(observed_at) if observed_at is not None else None,
+        age_seconds=None if observed_at is None else max(0.0, now - observed_at),
+        stale=stale,
+        error=error,
+        server_time_unix=now,
+        assumed_timezone=(
+            chosen.observation.assumed_timezone if chosen and chosen.observation else None
+        ),
+    )
+
+
+def build_health(snapshot: Snapshot, now: float) -> Health:
+    """ok: every source has a fresh success. starting: some source has not answered yet
+    and the staleness bound since start-up has not passed. degraded: anything else."""
+    for status in snapshot.sources:
+        if status.is_fresh(now, snapshot.stale_after):
+            continue
+        waited = now - snapshot.started_at_unix
+        never_polled_ok = status.restored or status.observed_at_unix is None
+        if never_polled_ok and waited <= snapshot.stale_after:
+            detail = f": {status.error}" if status.error else ""
+            return Health("starting", f"{status.name}: no successful poll yet{detail}")
+        age = status.age(now)
+        since = f"for {age:.0f} s" if age is not None and not status.restored else "since start"
+        detail = f": {status.error}" if status.error else ""
+        return Health("degraded", f"{status.name}: no successful poll {since}{detail}")
+    return Health("ok", None)
