@@ -1,0 +1,258 @@
+"""The save rule and its estimators: pure, clock injected, no I/O (standard library only).
+
+The rule (ARCHITECTURE.md, and verl's ``should_save_ckpt_esi``)::
+
+    save now  when  0 < T_expire - T_now <= T_max_step + T_save + T_redundant
+
+What this module does better than the seed in verl
+(``verl/utils/checkpoint/checkpoint_manager.py``):
+
+- ``T_max_step`` is a statistic ("max", "p95" or "p99") over a sliding window of the most
+  recent steps, not the running max since start: one slow warm-up step (compilation,
+  data-loader start) no longer inflates the budget for the whole run.
+- ``T_save`` follows measured saves instead of a fixed 60 s (see :meth:`SavePolicy.save_estimate`).
+- It saves ONCE per deadline. The seed stays true for every step inside the window and
+  saves again and again, each save eating into the time left. Here a save "covers" every
+  deadline no further than one budget after the save started; the rule re-arms only
+  when the deadline moves later than that.
+- After the covering save, ``stop`` turns true: another step plus another save no longer
+  fits before the deadline with the safety margin, so the job can exit cleanly.
+
+Every time is passed in (``now_unix``, ``started_unix``): the policy never reads a clock,
+so tests drive it step by step and the guard in ``sidecar.client`` owns all I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["STATISTICS", "PolicyDecision", "SavePolicy"]
+
+# Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
+# 1/(1-q) samples a percentile is the max: conservative while little is known).
+STATISTICS = {"max": 1.0, "p95": 0.95, "p99": 0.99}
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """One evaluation of the rule, with the numbers behind it (for logs and status).
+
+    ``remaining_seconds`` is None when no deadline is known; ``budget_seconds`` and
+    ``step_seconds`` are None before the first step was measured.
+    """
+
+    save_now: bool
+    stop: bool
+    remaining_seconds: Optional[float]
+    budget_seconds: Optional[float]
+    step_seconds: Optional[float]
+    save_seconds: float
+    reason: str
+
+
+def _check_duration(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_count(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile: an actually observed value, never an interpolation."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class SavePolicy:
+    """When to save before the deadline, and when to stop.
+
+    Arguments (all seconds unless said otherwise):
+
+    - ``save_seconds``: the save time assumed until a save was measured (default 60).
+    - ``redundant_seconds``: safety margin for clock error, late notices and the
+      release itself (default 120).
+    - ``window``: how many recent steps the step estimate looks at (default 100).
+    - ``statistic``: "max" (default), "p95" or "p99" over that window. "max" is the safe
+      choice; a percentile ignores rare outliers (an evaluation step, a GC pause) at
+      the risk of being one slow step short.
+    - ``save_margin``: factor (>= 1) applied to the largest recent measured save.
+    - ``save_window``: how many recent measured saves count (default 5).
+
+    Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
+    so failing at construction is better than a wrong decision hours later.
+    """
+
+    save_seconds: float = 60.0
+    redundant_seconds: float = 120.0
+    window: int = 100
+    statistic: str = "max"
+    save_margin: float = 1.2
+    save_window: int = 5
+
+    _steps: deque[float] = field(init=False, repr=False)
+    _saves: deque[float] = field(init=False, repr=False)
+    _cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.save_seconds = _check_duration("save_seconds", self.save_seconds)
+        self.redundant_seconds = _check_duration("redundant_seconds", self.redundant_seconds)
+        self.window = _check_count("window", self.window)
+        self.save_window = _check_count("save_window", self.save_window)
+        if self.statistic not in STATISTICS:
+            raise ValueError(
+                f"statistic must be one of {', '.join(STATISTICS)}, got {self.statistic!r}"
+            )
+        margin = _check_duration("save_margin", self.save_margin)
+        if margin < 1.0:
+            raise ValueError(f"save_margin must be >= 1 (a factor), got {self.save_margin!r}")
+        self.save_margin = margin
+        self._steps = deque(maxlen=self.window)
+        self._saves = deque(maxlen=self.save_window)
+
+    # ------------------------------------------------------------------ measurements
+
+    def record_step(self, seconds: float) -> None:
+        """Add one measured training step (its duration, not counting saves)."""
+        self._steps.append(_check_duration("seconds", seconds))
+
+    def record_save(
+        self,
+        seconds: float,
+        *,
+        started_unix: float,
+        budget_seconds: Optional[float] = None,
+    ) -> None:
+        """Add one measured save that started at ``started_unix`` (wall clock).
+
+        The checkpoint holds the training state of ``started_unix``, so the save covers
+        every deadline up to ``started_unix + budget``: saving again before such a
+        deadline would not lose less work than the rule accepts. The budget used is the
+        largest of ``budget_seconds`` (the one the save decision used, passed by the
+        guard), the budget before this measurement and the budget after it, so a save
+        that turns out faster than assumed never shrinks the cover below the decision
+        that asked for it (which would re-arm at once and save twice).
+        """
+        seconds = _check_duration("seconds", seconds)
+        if not math.isfinite(started_unix):
+            raise ValueError(f"started_unix must be finite, got {started_unix!r}")
+        before = self._budget(self.step_estimate(), self.save_estimate())
+        self._saves.append(seconds)
+        after = self._budget(self.step_estimate(), self.save_estimate())
+        budget = max(before, after, budget_seconds or 0.0)
+        cover = started_unix + budget
+        # A later save never shrinks what an earlier one covers.
+        if self._cover_until_unix is None or cover > self._cover_until_unix:
+            self._cover_until_unix = cover
+
+    # ------------------------------------------------------------------ estimates
+
+    def step_estimate(self) -> Optional[float]:
+        """``T_max_step``: the chosen statistic over the window; None before any step."""
+        if not self._steps:
+            return None
+        return _quantile(list(self._steps), STATISTICS[self.statistic])
+
+    def measured_save_estimate(self) -> Optional[float]:
+        """The largest of the recent measured saves times ``save_margin``; None if none."""
+        if not self._saves:
+            return None
+        return max(self._saves) * self.save_margin
+
+    def save_estimate(self) -> float:
+        """``T_save``: the configured value until a save was measured, then measured only.
+
+        Choice: once a save has been measured, the measurement replaces the configured
+        value, in both directions. The configured 60 s is a guess made before anything
+        was known; a save measured on this machine, this model and this storage is
+        better evidence, and keeping a too-large guess as a floor would start the final
+        save early and lose up to that much training for nothing. The margin (x1.2) and
+        taking the largest of the last ``save_window`` saves cover normal variation.
+        """
+        measured = self.measured_save_estimate()
+        return self.save_seconds if measured is None else measured
+
+    def covered_seconds(self, now_unix: float) -> Optional[float]:
+        """How far beyond ``now_unix`` the last save covers a deadline; None if no save.
+
+        Negative when the cover ended in the past. Exposed so that the guard can reduce
+        it across ranks (the largest wins: any rank's save covers everyone).
+        """
+        if self._cover_until_unix is None:
+            return None
+        return self._cover_until_unix - now_unix
+
+    def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
+        return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
+
+    # ------------------------------------------------------------------ decisions
+
+    def evaluate(self, now_unix: float, deadline_unix: Optional[float]) -> PolicyDecision:
+        """Decide from this process's own measurements and an absolute deadline."""
+        remaining = None if deadline_unix is None else deadline_unix - now_unix
+        return self.decide(
+            remaining,
+            step_seconds=self.step_estimate(),
+            save_seconds=self.save_estimate(),
+            covered_seconds=self.covered_seconds(now_unix),
+        )
+
+    def decide(
+        self,
+        remaining_seconds: Optional[float],
+        *,
+        step_seconds: Optional[float],
+        save_seconds: float,
+        covered_seconds: Optional[float],
+    ) -> PolicyDecision:
+        """The rule from explicit inputs (the guard passes values reduced across ranks).
+
+        ``covered_seconds``: how far beyond now the last save covers (see
+        :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
+        ``remaining_seconds <= covered_seconds``; a deadline moved later than that
+        re-arms it. A deadline brought earlier stays covered.
+        """
+        budget = None if step_seconds is None else self._budget(step_seconds, save_seconds)
+
+        def decision(save_now: bool, stop: bool, reason: str) -> PolicyDecision:
+            return PolicyDecision(
+                save_now=save_now,
+                stop=stop,
+                remaining_seconds=remaining_seconds,
+                budget_seconds=budget,
+                step_seconds=step_seconds,
+                save_seconds=save_seconds,
+                reason=reason,
+            )
+
+        if remaining_seconds is None:
+            return decision(False, False, "no deadline known")
+        covered = covered_seconds is not None and remaining_seconds <= covered_seconds
+        if covered:
+            # The save already made is as good as any the rule would ask for now, and no
+            # further step can be saved in time: stop.
+            return decision(False, True, "saved for this deadline; stop")
+        if remaining_seconds <= 0:
+            return decision(False, False, "deadline passed")
+        if budget is None:
+            return decision(False, False, "no step measured yet")
+        if remaining_seconds <= budget:
+            return decision(
+                True,
+                False,
+                f"remaining {remaining_seconds:.1f} s <= budget {budget:.1f} s: save now",
+            )
+        return decision(
+            False, False, f"remaining {remaining_seconds:.1f} s > budget {budget:.1f} s"
+        )

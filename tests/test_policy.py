@@ -1,0 +1,271 @@
+"""The save rule, driven step by step with an explicit clock (no I/O, no sleeps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sidecar.policy import PolicyDecision, SavePolicy
+
+NOW = 1_800_000_000.0  # any fixed wall-clock instant
+
+
+def policy_with_step(step: float = 80.0, **options: float) -> SavePolicy:
+    policy = SavePolicy(**options)  # type: ignore[arg-type]
+    policy.record_step(step)
+    return policy
+
+
+# ---------------------------------------------------------------- the rule itself
+
+
+def test_worked_example_from_the_docs_saves_now() -> None:
+    # 200 s left, 80 s step, 60 s save, 120 s redundant: budget 260 > 200 -> save now.
+    policy = policy_with_step(80.0, save_seconds=60.0, redundant_seconds=120.0)
+    decision = policy.evaluate(NOW, NOW + 200.0)
+    assert decision.save_now
+    assert not decision.stop
+    assert decision.budget_seconds == pytest.approx(260.0)
+    assert decision.remaining_seconds == pytest.approx(200.0)
+    assert decision.step_seconds == 80.0
+    assert decision.save_seconds == 60.0
+    assert "save now" in decision.reason
+
+
+def test_outside_the_window_does_not_save() -> None:
+    policy = policy_with_step(80.0)
+    decision = policy.evaluate(NOW, NOW + 261.0)
+    assert not decision.save_now
+    assert not decision.stop
+    assert policy.evaluate(NOW, NOW + 260.0).save_now  # the boundary is inclusive
+
+
+def test_defaults_match_the_contract() -> None:
+    policy = SavePolicy()
+    assert (policy.save_seconds, policy.redundant_seconds, policy.window) == (60.0, 120.0, 100)
+    assert policy.statistic == "max"
+    assert policy.save_estimate() == 60.0
+
+
+def test_no_decision_before_the_first_step() -> None:
+    policy = SavePolicy()
+    decision = policy.evaluate(NOW, NOW + 10.0)
+    assert decision == PolicyDecision(
+        save_now=False,
+        stop=False,
+        remaining_seconds=10.0,
+        budget_seconds=None,
+        step_seconds=None,
+        save_seconds=60.0,
+        reason="no step measured yet",
+    )
+    policy.record_step(1.0)
+    assert policy.evaluate(NOW, NOW + 10.0).save_now
+
+
+def test_unknown_deadline_never_saves() -> None:
+    decision = policy_with_step().evaluate(NOW, None)
+    assert not decision.save_now and not decision.stop
+    assert decision.remaining_seconds is None
+    assert decision.reason == "no deadline known"
+
+
+@pytest.mark.parametrize("remaining", [0.0, -0.001, -3600.0])
+def test_passed_deadline_never_saves(remaining: float) -> None:
+    decision = policy_with_step().evaluate(NOW, NOW + remaining)
+    assert not decision.save_now
+    assert decision.reason == "deadline passed"
+
+
+# ---------------------------------------------------------------- step estimate
+
+
+def test_step_estimate_is_a_sliding_window_not_the_max_since_start() -> None:
+    policy = SavePolicy(window=3)
+    policy.record_step(500.0)  # a slow first step (compilation, warm-up)
+    for _ in range(3):
+        policy.record_step(10.0)
+    assert policy.step_estimate() == 10.0  # the warm-up step fell out of the window
+    decision = policy.evaluate(NOW, NOW + 250.0)
+    assert decision.budget_seconds == pytest.approx(190.0)
+    assert not decision.save_now  # the running max since start (verl) would save here
+
+
+def test_max_p95_p99_over_the_window() -> None:
+    steps = [float(n) for n in range(1, 101)]  # 1 .. 100 s
+    estimates = {}
+    for statistic in ("max", "p95", "p99"):
+        policy = SavePolicy(statistic=statistic)
+        for seconds in steps:
+            policy.record_step(seconds)
+        estimates[statistic] = policy.step_estimate()
+    # Nearest rank: observed values, never interpolated.
+    assert estimates == {"max": 100.0, "p95": 95.0, "p99": 99.0}
+
+
+def test_percentile_ignores_a_rare_outlier_and_max_does_not() -> None:
+    p95, worst = SavePolicy(statistic="p95"), SavePolicy(statistic="max")
+    for policy in (p95, worst):
+        for index in range(100):
+            policy.record_step(300.0 if index == 50 else 2.0)
+    assert p95.step_estimate() == 2.0
+    assert worst.step_estimate() == 300.0
+
+
+def test_percentile_with_few_samples_is_the_max() -> None:
+    policy = SavePolicy(statistic="p95")
+    for seconds in (1.0, 2.0, 9.0):
+        policy.record_step(seconds)
+    assert policy.step_estimate() == 9.0  # conservative while little is known
+
+
+# ---------------------------------------------------------------- save estimate
+
+
+def test_save_estimate_follows_measured_saves_with_margin() -> None:
+    policy = SavePolicy(save_seconds=60.0, save_margin=1.2, save_window=2)
+    assert policy.measured_save_estimate() is None
+    policy.record_save(10.0, started_unix=NOW)
+    assert policy.save_estimate() == pytest.approx(12.0)  # a fast save lowers it
+    policy.record_save(100.0, started_unix=NOW + 1)
+    assert policy.save_estimate() == pytest.approx(120.0)  # the largest recent one
+    policy.record_save(20.0, started_unix=NOW + 2)
+    assert policy.save_estimate() == pytest.approx(120.0)
+    policy.record_save(20.0, started_unix=NOW + 3)
+    assert policy.save_estimate() == pytest.approx(24.0)  # the slow one aged out
+
+
+def test_measured_save_changes_the_budget() -> None:
+    policy = policy_with_step(80.0, save_seconds=60.0, redundant_seconds=120.0)
+    policy.record_save(5.0, started_unix=NOW - 10_000)  # an early routine save
+    decision = policy.evaluate(NOW, NOW + 250.0)
+    assert decision.budget_seconds == pytest.approx(80 + 6 + 120)
+    assert not decision.save_now
+
+
+# ---------------------------------------------------------------- once per deadline
+
+
+def test_saves_once_per_deadline_then_stops() -> None:
+    deadline = NOW + 200.0
+    policy = policy_with_step(80.0)
+    first = policy.evaluate(NOW, deadline)
+    assert first.save_now and not first.stop
+    policy.record_save(30.0, started_unix=NOW, budget_seconds=first.budget_seconds)
+
+    after = policy.evaluate(NOW + 30.0, deadline)
+    assert not after.save_now
+    assert after.stop
+    assert "saved for this deadline" in after.reason
+    # Still inside the window on every later step: the seed rule would save again here.
+    for elapsed in (40.0, 120.0, 199.0):
+        policy.record_step(80.0)
+        decision = policy.evaluate(NOW + elapsed, deadline)
+        assert not decision.save_now and decision.stop
+
+
+def test_faster_than_assumed_save_does_not_rearm() -> None:
+    # Saved at 255 s left with the assumed 60 s save; the measured 10 s shrinks the
+    # budget to 212 s, but the save must still cover its deadline.
+    deadline = NOW + 255.0
+    policy = policy_with_step(80.0)
+    assert policy.evaluate(NOW, deadline).save_now
+    policy.record_save(10.0, started_unix=NOW)
+    decision = policy.evaluate(NOW + 10.0, deadline)
+    assert decision.budget_seconds == pytest.approx(212.0)
+    assert not decision.save_now and decision.stop
+
+
+def test_rearms_when_the_deadline_moves_later_than_the_save_covers() -> None:
+    policy = policy_with_step(80.0)
+    deadline = NOW + 200.0
+    assert policy.evaluate(NOW, deadline).save_now
+    policy.record_save(30.0, started_unix=NOW)
+
+    # A small shift stays within the cover (budget 80 + 36 + 120 = 236 s after the save).
+    assert policy.evaluate(NOW + 30.0, deadline + 30.0).stop
+
+    # The release is postponed by an hour: training goes on, nothing to save yet...
+    later = deadline + 3600.0
+    moved = policy.evaluate(NOW + 30.0, later)
+    assert not moved.save_now and not moved.stop
+    # ...and the rule fires again, once, when the new deadline comes near.
+    near = later - 200.0
+    again = policy.evaluate(near, later)
+    assert again.save_now
+    policy.record_save(30.0, started_unix=near)
+    assert policy.evaluate(near + 30.0, later).stop
+
+
+def test_deadline_brought_earlier() -> None:
+    policy = policy_with_step(80.0)
+    # Far away: nothing to do. Then a preemption notice brings it close: save now.
+    assert not policy.evaluate(NOW, NOW + 86_400.0).save_now
+    assert policy.evaluate(NOW, NOW + 150.0).save_now
+    policy.record_save(20.0, started_unix=NOW)
+    # Brought earlier again after the save: still covered, no second save.
+    decision = policy.evaluate(NOW + 20.0, NOW + 60.0)
+    assert not decision.save_now and decision.stop
+
+
+def test_save_without_a_deadline_covers_a_deadline_that_appears_soon_after() -> None:
+    policy = policy_with_step(80.0)
+    policy.record_save(10.0, started_unix=NOW)  # routine save, no deadline known
+    assert policy.evaluate(NOW + 20.0, None).stop is False
+    # Budget after the save: 80 + 12 + 120 = 212 s (before it: 260 s); covered to NOW+260.
+    assert policy.evaluate(NOW + 20.0, NOW + 250.0).stop
+    # Beyond the cover: armed, and the rule fires once the deadline comes within budget.
+    beyond = policy.evaluate(NOW + 20.0, NOW + 261.0)
+    assert not beyond.stop and not beyond.save_now
+    assert policy.evaluate(NOW + 100.0, NOW + 261.0).save_now
+
+
+def test_covered_seconds_is_exposed_for_reduction() -> None:
+    policy = policy_with_step(80.0)
+    assert policy.covered_seconds(NOW) is None
+    policy.record_save(10.0, started_unix=NOW, budget_seconds=300.0)
+    assert policy.covered_seconds(NOW + 100.0) == pytest.approx(200.0)
+
+
+def test_decide_from_reduced_inputs() -> None:
+    policy = SavePolicy()
+    decision = policy.decide(100.0, step_seconds=10.0, save_seconds=5.0, covered_seconds=None)
+    assert decision.save_now and decision.budget_seconds == pytest.approx(135.0)
+    covered = policy.decide(100.0, step_seconds=10.0, save_seconds=5.0, covered_seconds=100.0)
+    assert covered.stop and not covered.save_now
+
+
+# ---------------------------------------------------------------- invalid arguments
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"save_seconds": -1.0}, "save_seconds"),
+        ({"save_seconds": math.nan}, "save_seconds"),
+        ({"redundant_seconds": -0.5}, "redundant_seconds"),
+        ({"redundant_seconds": math.inf}, "redundant_seconds"),
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"window": True}, "window"),
+        ({"save_window": 0}, "save_window"),
+        ({"statistic": "median"}, "statistic"),
+        ({"save_margin": 0.9}, "save_margin"),
+        ({"save_seconds": "60"}, "save_seconds"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(options: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        SavePolicy(**options)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf])
+def test_invalid_measurements_are_rejected(seconds: float) -> None:
+    policy = SavePolicy()
+    with pytest.raises(ValueError, match="seconds"):
+        policy.record_step(seconds)
+    with pytest.raises(ValueError, match="seconds"):
+        policy.record_save(seconds, started_unix=NOW)
+    assert policy.step_estimate() is None
+    assert policy.measured_save_estimate() is None
