@@ -59,7 +59,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _address(text: str) -> tuple[str, int]:
+def parse_address(text: str) -> tuple[str, int]:
     text = text.strip()
     if text.startswith("["):  # [::1]:8791
         host, sep, port = text[1:].partition("]:")
@@ -81,7 +81,7 @@ def _addresses(text: str) -> tuple[tuple[str, int], ...]:
     parts = [part for part in text.split(",") if part.strip()]
     if not parts:
         raise ValueError("no address given")
-    return tuple(_address(part) for part in parts)
+    return tuple(parse_address(part) for part in parts)
 
 
 def _source_names(text: str) -> tuple[str, ...]:

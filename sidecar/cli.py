@@ -1,0 +1,319 @@
+"""``esi-sidecar``: serve, status, check, env, emulate.
+
+Only ``serve`` and ``emulate`` need the ``[server]`` extra; ``status``, ``check`` and
+``env`` use the stdlib client, so they also work inside a training container that has
+only the base install. Server modules are imported inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable, Optional, Sequence
+
+from sidecar import __version__
+from sidecar.config import add_arguments, parse_address
+from sidecar.models import Expiry, decide
+
+EXIT_SAVE_NOW = 0
+EXIT_NOT_YET = 1
+EXIT_USAGE = 2
+EXIT_UNKNOWN = 3
+
+ENV_EXPORT_NAME = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+
+
+def format_duration(seconds: float) -> str:
+    """``3723`` -> ``1h 02m 03s``; ``90061`` -> ``1d 01h 01m 01s``; negative -> ``-5s``."""
+    sign = "-" if seconds < 0 else ""
+    total = int(abs(seconds))
+    days, rest = divmod(total, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{sign}{days}d {hours:02d}h {minutes:02d}m {secs:02d}s"
+    if hours:
+        return f"{sign}{hours}h {minutes:02d}m {secs:02d}s"
+    if minutes:
+        return f"{sign}{minutes}m {secs:02d}s"
+    return f"{sign}{secs}s"
+
+
+def describe(expiry: Expiry) -> list[str]:
+    """Human-readable lines for ``esi-sidecar status``."""
+    where = expiry.source or "no source"
+    if expiry.age_seconds is not None:
+        where += f", polled {format_duration(expiry.age_seconds)} ago"
+    lines = []
+    if expiry.expires_at_unix is None or expiry.remaining_seconds is None:
+        lines.append(f"no scheduled release known ({where})")
+    else:
+        at = datetime.fromtimestamp(expiry.expires_at_unix, tz=timezone.utc)
+        stamp = at.strftime("%Y-%m-%d %H:%M:%S UTC")
+        if expiry.remaining_seconds > 0:
+            verb = f"releases in {format_duration(expiry.remaining_seconds)}"
+        else:
+            verb = f"release time passed {format_duration(-expiry.remaining_seconds)} ago"
+        kind = "" if expiry.kind in (None, "scheduled-release") else f" [{expiry.kind}]"
+        lines.append(f"{verb} at {stamp}{kind} ({where})")
+    if expiry.instance_id or expiry.scheduled_instance_id:
+        ids = [part for part in (expiry.instance_id, expiry.scheduled_instance_id) if part]
+        lines.append("instance: " + " / ".join(ids))
+    if expiry.assumed_timezone:
+        lines.append(f"note: the API gave no UTC offset; read as {expiry.assumed_timezone}")
+    if expiry.stale:
+        lines.append("warning: stale - no recent successful poll; this may be out of date")
+    if expiry.error:
+        lines.append(f"last error: {expiry.error}")
+    return lines
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from sidecar.client import SidecarClient
+
+    return SidecarClient(args.url, timeout=args.timeout)
+
+
+def _fetch(args: argparse.Namespace) -> Optional[Expiry]:
+    client = _client(args)
+    expiry = client.expiry()
+    if expiry is None:
+        where = args.url or os.environ.get("ESI_SIDECAR_URL") or "http://127.0.0.1:8791"
+        reason = getattr(client, "last_error", None) or "no answer"
+        print(f"esi-sidecar: cannot reach the daemon at {where}: {reason}", file=sys.stderr)
+        print("  is it running?  systemctl status esi-sidecar  |  esi-sidecar serve --help",
+              file=sys.stderr)
+    return expiry
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    expiry = _fetch(args)
+    if expiry is None:
+        return EXIT_UNKNOWN
+    if args.json:
+        import json
+
+        print(json.dumps(expiry.to_json(), indent=2))
+    else:
+        print("\n".join(describe(expiry)))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    expiry = _fetch(args)
+    if expiry is None:
+        return EXIT_UNKNOWN
+    if expiry.remaining_seconds is None:
+        print("unknown: no deadline is known")
+        return EXIT_UNKNOWN
+    save_now, budget = decide(
+        expiry.remaining_seconds, args.step_seconds, args.save_seconds, args.redundant_seconds
+    )
+    remaining = format_duration(expiry.remaining_seconds)
+    if save_now:
+        print(f"save now: {remaining} left <= budget {budget:g} s")
+        return EXIT_SAVE_NOW
+    if expiry.remaining_seconds <= 0:
+        print(f"too late: the release time passed {format_duration(-expiry.remaining_seconds)}"
+              " ago")
+        return EXIT_NOT_YET
+    print(f"not yet: {remaining} left > budget {budget:g} s")
+    return EXIT_NOT_YET
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    expiry = _fetch(args)
+    if expiry is None:
+        return EXIT_UNKNOWN
+    if expiry.expires_at_unix is None:
+        print("esi-sidecar: no deadline is known; nothing to export", file=sys.stderr)
+        return EXIT_UNKNOWN
+    print(f"{args.name}={int(expiry.expires_at_unix)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from sidecar.config import ConfigError, load_settings
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        return _missing_server_extra(exc)
+    try:
+        settings = load_settings(vars(args))
+    except ConfigError as exc:
+        print(f"esi-sidecar serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        from sidecar.daemon import run
+    except ImportError as exc:
+        return _missing_server_extra(exc)
+    try:
+        run(settings)
+    except OSError as exc:
+        print(f"esi-sidecar serve: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a source that rejects its settings
+        print(f"esi-sidecar serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    try:
+        host, port = parse_address(args.listen)
+    except ValueError as exc:
+        print(f"esi-sidecar emulate: invalid --listen {args.listen!r}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from sidecar.emulator import Emulator
+
+    emulator = Emulator(
+        access_key=args.access_key,
+        secret_key=args.secret_key,
+        region=args.region,
+        instance_id=args.instance_id,
+        scheduled_instance_id=args.scheduled_instance_id,
+        auto_release_at=None,
+    )
+    if args.release_at is not None:
+        emulator.set_release(args.release_at)
+    else:
+        emulator.set_release_in(args.release_in)
+    url = emulator.start(host=host, port=port)
+    print(f"Volcengine ECS emulator on {url} (release {args.release_at or f'in {args.release_in:g} s'})")
+    print("Point the daemon at it, in another terminal:")
+    # Emulator credentials are not secrets; print them so the lines can be pasted as-is.
+    print(f"  export VOLCENGINE_ACCESS_KEY={args.access_key} "
+          f"VOLCENGINE_SECRET_KEY={args.secret_key}")
+    print(f"  esi-sidecar serve --api-endpoint {url} --metadata-url {url}")
+    print(f"Move the release:  curl -X POST {url}/_emulator/release -d '{{\"in_seconds\": 600}}'")
+    print("Ctrl-C to stop.")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        emulator.stop()
+    return 0
+
+
+def _missing_server_extra(exc: ImportError) -> int:
+    print(f"esi-sidecar: the daemon needs the server extra ({exc.name} is missing): "
+          "pip install 'esi-sidecar[server]'", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0: {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="esi-sidecar",
+        description="Know when this reclaimable GPU machine will be released, and save the "
+        "training checkpoint in time.",
+        epilog="Quick look: esi-sidecar status    Docs: README.md and docs/",
+    )
+    parser.add_argument("--version", action="version", version=f"esi-sidecar {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the host daemon (needs the [server] extra)",
+        description="Poll the deadline sources and serve /v1/expiry, /v1/decision, /healthz "
+        "and /metrics. Every flag has an ESI_SIDECAR_* variable; the flag wins.",
+    )
+    add_arguments(serve)  # the settings table lives in sidecar.config (stdlib only)
+    serve.set_defaults(func=cmd_serve)
+
+    def client_options(sub: argparse.ArgumentParser, timeout: float = 2.0) -> None:
+        sub.add_argument("--url", help="daemon URL(s), comma-separated (default: "
+                         "$ESI_SIDECAR_URL, else http://127.0.0.1:8791)")
+        sub.add_argument("--timeout", type=_positive_float, default=timeout,
+                         help=f"seconds to wait for the daemon (default {timeout:g})")
+
+    status = commands.add_parser("status", help="show when this machine will be released",
+                                 description="Ask the daemon and print the deadline in words.")
+    client_options(status)
+    status.add_argument("--json", action="store_true", help="print the raw /v1/expiry body")
+    status.set_defaults(func=cmd_status)
+
+    check = commands.add_parser(
+        "check",
+        help="exit 0 when a checkpoint should be saved now",
+        description="Apply the save rule: remaining <= step + save + redundant. Exit 0: save "
+        "now; 1: not yet (or too late); 3: daemon unreachable or deadline unknown; "
+        "2: usage error.",
+    )
+    client_options(check)
+    check.add_argument("--step-seconds", type=_positive_float, required=True,
+                       help="the longest recent training step, seconds")
+    check.add_argument("--save-seconds", type=_positive_float, default=60.0,
+                       help="how long one save takes (default 60)")
+    check.add_argument("--redundant-seconds", type=_positive_float, default=120.0,
+                       help="safety margin (default 120)")
+    check.set_defaults(func=cmd_check)
+
+    env = commands.add_parser(
+        "env",
+        help="print the deadline as MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP=...",
+        description="For `docker run --env-file`: the deadline in Unix seconds. A variable is "
+        "frozen when the container starts; a moved deadline is only seen through the daemon.",
+    )
+    client_options(env)
+    env.add_argument("--name", default=ENV_EXPORT_NAME, help=f"variable name (default "
+                     f"{ENV_EXPORT_NAME})")
+    env.set_defaults(func=cmd_env)
+
+    emulate = commands.add_parser(
+        "emulate",
+        help="run the Volcengine ECS emulator (for trying the daemon without a cloud)",
+        description="A local fake of the ECS OpenAPI (DescribeInstances, "
+        "DescribeScheduledInstances, signature checked) and the metadata service.",
+    )
+    emulate.add_argument("--listen", default="127.0.0.1:9000", help="HOST:PORT (default "
+                         "127.0.0.1:9000)")
+    emulate.add_argument("--access-key", default=os.environ.get("VOLCENGINE_ACCESS_KEY",
+                                                                "AKLTEMULATOR"))
+    emulate.add_argument("--secret-key", default=os.environ.get("VOLCENGINE_SECRET_KEY",
+                                                                "emulator-secret"))
+    emulate.add_argument("--region", default="cn-beijing")
+    emulate.add_argument("--instance-id", default="i-emulator0001")
+    emulate.add_argument("--scheduled-instance-id", default="esi-emulator0001")
+    when = emulate.add_mutually_exclusive_group()
+    when.add_argument("--release-in", type=_positive_float, default=3600.0, metavar="SECONDS",
+                      help="release this many seconds from now (default 3600)")
+    when.add_argument("--release-at", metavar="TIME", help="release at this time "
+                      "(served verbatim as AutoReleaseAt)")
+    emulate.set_defaults(func=cmd_emulate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import OPTIONS, ConfigError, Settings, load_settings
+
+
+def test_defaults() -> None:
+    settings = load_settings({}, environ={})
+    assert settings == Settings()
+    assert settings.listen == (("127.0.0.1", 8791),)
+    assert settings.sources == ("volcengine-esi",)
+    assert settings.metadata_url == "http://100.96.0.96"
+    assert settings.effective_stale_after == 90.0
+    assert settings.naive_timezone is timezone.utc
+    assert settings.state_file is None
+
+
+def test_every_option_has_a_flag_and_a_variable() -> None:
+    names = {option.env for option in OPTIONS}
+    for expected in ("LISTEN", "SOURCE", "INSTANCE_ID", "SCHEDULED_INSTANCE_ID", "REGION",
+                     "API_ENDPOINT", "METADATA_URL", "POLL_INTERVAL", "STALE_AFTER",
+                     "STATE_FILE", "LOG_LEVEL"):
+        assert f"ESI_SIDECAR_{expected}" in names
+
+
+def test_flag_wins_over_environment_which_wins_over_default() -> None:
+    env = {"ESI_SIDECAR_POLL_INTERVAL": "10", "ESI_SIDECAR_REGION": "cn-shanghai"}
+    settings = load_settings({"poll_interval": "5"}, environ=env)
+    assert settings.poll_interval == 5.0
+    assert settings.region == "cn-shanghai"
+    assert settings.effective_stale_after == 15.0
+
+
+def test_several_listen_addresses_comma_separated_or_repeated() -> None:
+    env = {"ESI_SIDECAR_LISTEN": "127.0.0.1:8791, 172.17.0.1:8791"}
+    assert load_settings({}, environ=env).listen == (("127.0.0.1", 8791), ("172.17.0.1", 8791))
+    given = {"listen": ["127.0.0.1:1", "[::1]:2"]}
+    assert load_settings(given, environ={}).listen == (("127.0.0.1", 1), ("::1", 2))
+
+
+def test_sources_canonical_and_deduplicated() -> None:
+    env = {"ESI_SIDECAR_SOURCE": "volcengine,env,volcengine-esi"}
+    assert load_settings({}, environ=env).sources == ("volcengine-esi", "env")
+
+
+def test_empty_variable_means_unset() -> None:
+    assert load_settings({}, environ={"ESI_SIDECAR_REGION": ""}).region is None
+
+
+def test_state_file_defaults_to_systemd_state_directory() -> None:
+    settings = load_settings({}, environ={"STATE_DIRECTORY": "/var/lib/esi-sidecar"})
+    assert settings.state_file == Path("/var/lib/esi-sidecar/state.json")
+
+
+def test_time_zone_names_and_offsets() -> None:
+    assert str(load_settings({"timezone": "Asia/Shanghai"}, environ={}).naive_timezone) == (
+        "Asia/Shanghai"
+    )
+    offset = load_settings({"timezone": "+08:00"}, environ={}).naive_timezone
+    assert offset.utcoffset(None).total_seconds() == 8 * 3600  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("given", "environ", "fragment"),
+    [
+        ({"poll_interval": "soon"}, {}, "--poll-interval value 'soon'"),
+        ({"poll_interval": "-1"}, {}, "--poll-interval"),
+        ({}, {"ESI_SIDECAR_POLL_INTERVAL": "0"}, "ESI_SIDECAR_POLL_INTERVAL value '0'"),
+        ({"listen": ["localhost"]}, {}, "--listen value 'localhost'"),
+        ({"listen": ["127.0.0.1:99999"]}, {}, "port out of range"),
+        ({"source": ["aws"]}, {}, "unknown source 'aws'"),
+        ({"api_endpoint": "127.0.0.1:9000"}, {}, "http://"),
+        ({"log_level": "loud"}, {}, "--log-level"),
+        ({"timezone": "Mars/Olympus"}, {}, "--timezone"),
+        ({"source": ["static"], "expires_at": "soon"}, {}, "--expires-at value 'soon'"),
+        ({"source": ["static"]}, {}, "--expires-at"),
+        ({"poll_interval": "60", "stale_after": "10"}, {}, "--stale-after"),
+    ],
+)
+def test_bad_values_stop_with_one_line_naming_the_setting(
+    given: dict, environ: dict, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(given, environ=environ)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "serve", "--poll-interval", "never"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "--poll-interval value 'never'" in result.stderr
