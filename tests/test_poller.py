@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+
+from sidecar.poller import Poller, load_state, next_delay, save_state
+from sidecar.sources.base import Observation
+from sidecar.sources.env import EnvSource
+from sidecar.store import Store
+
+MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+
+
+def test_success_waits_the_interval_with_ten_percent_jitter() -> None:
+    rng = random.Random(1)
+    delays = [next_delay(30, 0, rng=rng) for _ in range(500)]
+    assert min(delays) >= 27 and max(delays) <= 33
+    assert max(delays) - min(delays) > 3  # jitter is really there
+
+
+def test_failures_back_off_from_one_second_doubling_capped_at_interval() -> None:
+    rng = random.Random(2)
+    for failures, centre in [(1, 1), (2, 2), (3, 4), (4, 8), (5, 16), (6, 30), (40, 30)]:
+        delay = next_delay(30, failures, rng=rng)
+        assert centre * 0.8 <= delay <= centre * 1.2, (failures, delay)
+
+
+def test_throttling_backs_off_from_a_higher_start() -> None:
+    rng = random.Random(3)
+    assert 3.2 <= next_delay(30, 1, throttled=True, rng=rng) <= 4.8
+    assert 24 <= next_delay(30, 9, throttled=True, rng=rng) <= 36
+
+
+def make(environ: dict[str, str], tmp_path: Path | None = None) -> tuple[Poller, Store]:
+    source = EnvSource(environ=environ)
+    store = Store([source.name], stale_after=90)
+    state_file = tmp_path / "state.json" if tmp_path else None
+    poller = Poller([source], store, interval=30, state_file=state_file, rng=random.Random(0))
+    return poller, store
+
+
+def test_poll_once_records_failure_then_recovery_logging_once_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    environ = {MLP: "garbage"}
+    poller, store = make(environ)
+    source = poller._sources[0]
+    caplog.set_level(logging.INFO, logger="sidecar.poller")
+    delays = [poller.poll_once(source) for _ in range(3)]
+    assert delays[0] < delays[1] < delays[2] < 30  # backing off
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'garbage'" in warnings[0].getMessage()
+    assert store.expiry().error is not None and "garbage" in store.expiry().error  # type: ignore[operator]
+    assert poller.first_attempt_done.is_set()
+
+    environ[MLP] = "1900000000"
+    assert poller.poll_once(source) >= 27
+    expiry = store.expiry()
+    assert expiry.expires_at_unix == 1900000000 and expiry.error is None
+    assert any("recovered" in r.getMessage() for r in caplog.records)
+
+
+def test_state_file_round_trip(tmp_path: Path) -> None:
+    poller, store = make({MLP: "1900000000"}, tmp_path)
+    poller.poll_once(poller._sources[0])  # a change: written at once
+    data = json.loads((tmp_path / "state.json").read_text())
+    assert data["sources"]["env"]["observation"]["expires_at_unix"] == 1900000000
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp files left
+
+    fresh = Store(["env"], stale_after=90)
+    load_state(tmp_path / "state.json", fresh)
+    expiry = fresh.expiry()
+    assert expiry.expires_at_unix == 1900000000 and expiry.stale is True
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{not json", b'{"version": 99, "sources": {}}',
+     b'{"version": 1, "sources": {"env": {"observation": {"bogus": 1}}}}',
+     b'{"version": 1, "sources": {"env": {"observation": {"expires_at_unix": "x"}, '
+     b'"observed_at_unix": 1}}}'],
+)
+def test_damaged_state_file_is_ignored_with_a_warning(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(content)
+    store = Store(["env"], stale_after=90)
+    load_state(path, store)
+    assert store.expiry().expires_at is None
+    assert "ignoring state file" in caplog.text
+
+
+def test_missing_state_file_is_fine(tmp_path: Path) -> None:
+    store = Store(["env"], stale_after=90)
+    load_state(tmp_path / "absent.json", store)
+    assert store.expiry().expires_at is None
+
+
+def test_unwritable_state_file_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    source = EnvSource(environ={MLP: "1900000000"})
+    store = Store(["env"], stale_after=90)
+    poller = Poller([source], store, interval=30, state_file=blocker / "state.json")
+    poller.poll_once(source)
+    assert store.expiry().expires_at_unix == 1900000000
+    assert "could not write state file" in caplog.text
+
+
+def test_save_state_skips_sources_without_a_good_poll(tmp_path: Path) -> None:
+    store = Store(["env", "static"], stale_after=90)
+    store.record_success("static", Observation(expires_at_unix=5.0))
+    save_state(tmp_path / "s.json", store)
+    assert list(json.loads((tmp_path / "s.json").read_text())["sources"]) == ["static"]
+
+
+def test_start_and_stop_promptly() -> None:
+    poller, store = make({MLP: "1900000000"})
+    poller.start()
+    assert poller.first_attempt_done.wait(5)
+    threads = list(poller._threads)
+    assert threads and all(t.is_alive() for t in threads)
+    poller.stop(timeout=2)
+    assert not any(t.is_alive() for t in threads)
+    assert store.expiry().expires_at_unix == 1900000000
