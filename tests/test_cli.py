@@ -1,0 +1,97 @@
+"""The command line against the running daemon: status, check, env, --help."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+from sidecar.cli import describe, format_duration
+from sidecar.models import Expiry
+from sidecar.timeparse import format_rfc3339
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (59.9, "59s"), (61, "1m 01s"), (3723, "1h 02m 03s"), (90061, "1d 01h 01m 01s"),
+     (-5, "-5s")],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_status_reads_like_a_sentence() -> None:
+    deadline = time.time() + 3723.5
+    expiry = Expiry(
+        expires_at=format_rfc3339(deadline), expires_at_unix=deadline, remaining_seconds=3723.5,
+        kind="scheduled-release", source="volcengine-esi", instance_id="i-1",
+        scheduled_instance_id="esi-1", observed_at=None, age_seconds=4.2, stale=False,
+        error=None, server_time_unix=time.time(),
+    )
+    first = describe(expiry)[0]
+    assert first.startswith("releases in 1h 02m 03s at ")
+    assert first.endswith(" UTC (volcengine-esi, polled 4s ago)")
+
+
+def test_status_check_and_env_against_the_daemon() -> None:
+    deadline = time.time() + 200
+    with serve_daemon(sources=("static",), expires_at=format_rfc3339(deadline)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        status = cli("status", "--url", daemon.url)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith("releases in 3m 1") and "(static, polled" in status.stdout
+
+        raw = cli("status", "--json", "--url", daemon.url)
+        assert json.loads(raw.stdout)["expires_at_unix"] == pytest.approx(deadline, abs=1e-3)
+
+        # The worked example: 200 s left, 80 s step, 60 s save, 120 s redundant -> save now.
+        now = cli("check", "--step-seconds", "80", "--url", daemon.url)
+        assert now.returncode == 0 and now.stdout.startswith("save now")
+        later = cli("check", "--step-seconds", "5", "--save-seconds", "10",
+                    "--redundant-seconds", "10", "--url", daemon.url)
+        assert later.returncode == 1 and later.stdout.startswith("not yet")
+
+        env = cli("env", "--url", daemon.url)
+        assert env.returncode == 0
+        assert env.stdout.strip() == (
+            f"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP={int(deadline)}")
+
+
+def test_unreachable_daemon_exits_3_with_a_hint() -> None:
+    url = dead_url()
+    for args in (("status",), ("check", "--step-seconds", "1"), ("env",)):
+        result = cli(*args, "--url", url, "--timeout", "0.5")
+        assert result.returncode == 3, args
+        assert f"cannot reach the daemon at {url}" in result.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    assert cli("check").returncode == 2  # --step-seconds is required
+    assert cli("check", "--step-seconds", "-3").returncode == 2
+    assert cli("frobnicate").returncode == 2
+
+
+def test_help_lists_every_command_and_serve_lists_every_variable() -> None:
+    top = cli("--help").stdout
+    for command in ("serve", "status", "check", "env", "emulate"):
+        assert command in top
+    serve = cli("serve", "--help").stdout
+    for variable in ("ESI_SIDECAR_LISTEN", "ESI_SIDECAR_POLL_INTERVAL", "ESI_SIDECAR_API_ENDPOINT",
+                     "ESI_SIDECAR_STATE_FILE"):
+        assert variable in serve
