@@ -7,6 +7,7 @@ never execute, and the state file must still be flushed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 
 from sidecar.api import create_app
 from sidecar.config import Settings
+from sidecar.notify import notify, watchdog_interval
 from sidecar.poller import Poller
 from sidecar.sources import create_source
 from sidecar.store import Store
@@ -27,6 +29,7 @@ __all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]
 
 log = logging.getLogger("sidecar.daemon")
 
+READY_TIMEOUT_SECONDS = 60.0
 SHUTDOWN_GRACE_SECONDS = 3.0  # plus the poller's join: well inside systemd's 5 s budget
 
 
@@ -48,13 +51,40 @@ def build_daemon(settings: Settings) -> Daemon:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         poller.start()
+        tasks = [asyncio.create_task(_announce_ready(poller, store))]
+        interval = watchdog_interval()
+        if interval is not None:
+            tasks.append(asyncio.create_task(_watchdog(poller, interval)))
         try:
             yield
         finally:
+            notify("STOPPING=1")
+            for task in tasks:
+                task.cancel()
             poller.stop()
             log.info("stopped; state flushed")
 
     return Daemon(settings, store, poller, create_app(store, lifespan=lifespan))
+
+
+async def _announce_ready(poller: Poller, store: Store) -> None:
+    """READY=1 once every source was polled once (issue: run it as a host service).
+
+    Waiting for the first attempt, not the first success, keeps start-up bounded when the
+    cloud is unreachable: the service is up and says so on /healthz.
+    """
+    await asyncio.to_thread(poller.first_attempt_done.wait, READY_TIMEOUT_SECONDS)
+    health = store.health()
+    notify(f"READY=1\nSTATUS={health.status}" + (f": {health.reason}" if health.reason else ""))
+
+
+async def _watchdog(poller: Poller, interval: float) -> None:
+    """WATCHDOG=1 from the event loop while the poll threads live: a hung loop or a dead
+    poller stops the pings and systemd restarts the service."""
+    while True:
+        if poller.alive():
+            notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
 
 
 def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:

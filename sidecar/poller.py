@@ -135,6 +135,10 @@ class Poller:
             delay = self.poll_once(source)
             self._stop.wait(delay)
 
+    def alive(self) -> bool:
+        """True while every poll thread runs (the systemd watchdog pings only then)."""
+        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+
     def stop(self, timeout: float = 4.0) -> None:
         """Stop the loops (a poll in flight is bounded by the source's own timeout)."""
         self._stop.set()
