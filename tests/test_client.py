@@ -1,0 +1,780 @@
+"""The training-side client and CheckpointGuard against the real daemon on loopback.
+
+Fakes only at the outer edge: a closed port, a socket that never answers, and a tiny
+stdlib HTTP server standing in for a *broken* peer (garbage the real daemon cannot be made
+to send). Everything else talks to the real daemon through ``serve_daemon``.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Callable, Optional
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+from sidecar.client import (
+    DEFAULT_URL,
+    UNKNOWN_COVERED,
+    UNKNOWN_REMAINING,
+    UNKNOWN_SAVE,
+    UNKNOWN_STEP,
+    CheckpointGuard,
+    Reducer,
+    SidecarClient,
+    env_deadline,
+)
+from sidecar.models import Expiry
+from sidecar.policy import SavePolicy
+from sidecar.sources.base import Observation
+
+MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+CLIENT_LOGGER = "sidecar.client"
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon's env source and the client both read these; a developer's shell must
+    # not leak into the tests.
+    for name in (MLP, SAGEMAKER, "ESI_SIDECAR_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+class FakeMonotonic:
+    """A monotonic clock the test moves by hand (refresh and retry intervals)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class CountingClient(SidecarClient):
+    """The real client, counting how often it is asked (each ask is one request per URL)."""
+
+    requests = 0
+
+    def expiry(self) -> Optional[Expiry]:
+        self.requests += 1
+        return super().expiry()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[str]:
+    """Accepts connections (kernel backlog) and never answers: a hung daemon."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def static_daemon(expires_at: float, **overrides: object):  # type: ignore[no-untyped-def]
+    overrides.setdefault("sources", ("static",))
+    return serve_daemon(expires_at=repr(expires_at), **overrides)
+
+
+def simple_guard(client: SidecarClient, **options: object) -> CheckpointGuard:
+    options.setdefault("environ", {})
+    return CheckpointGuard(client, **options)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ client: real daemon
+
+
+def test_expiry_from_the_real_daemon() -> None:
+    deadline = time.time() + 200.0
+    with static_daemon(deadline) as daemon, SidecarClient(daemon.url) as client:
+        answer = client.expiry()
+        assert answer is not None
+        assert answer.expires_at_unix == pytest.approx(deadline, abs=1e-3)
+        assert answer.source == "static"
+        assert client.last_error is None
+        assert client.deadline_unix() == pytest.approx(deadline, abs=1e-3)
+
+
+def test_keep_alive_connection_is_reused() -> None:
+    with static_daemon(time.time() + 500) as daemon, SidecarClient(daemon.url) as client:
+        assert client.expiry() is not None
+        first = client._endpoints[0]._connection
+        assert first is not None and first.sock is not None
+        local_address = first.sock.getsockname()
+        for _ in range(5):
+            assert client.expiry() is not None
+        again = client._endpoints[0]._connection
+        assert again is first and again.sock is not None
+        assert again.sock.getsockname() == local_address
+
+
+def test_keep_alive_request_is_fast() -> None:
+    # Generous bound: catches the 40 ms delayed-ACK stall per request (it was 44 ms).
+    with static_daemon(time.time() + 500) as daemon, SidecarClient(daemon.url) as client:
+        client.expiry()
+        started = time.perf_counter()
+        for _ in range(20):
+            assert client.expiry() is not None
+        assert (time.perf_counter() - started) / 20 < 0.02
+
+
+def test_reconnects_after_the_daemon_restarts() -> None:
+    deadline = time.time() + 300.0
+    with static_daemon(deadline) as daemon:
+        port = int(daemon.url.rsplit(":", 1)[1])
+        client = SidecarClient(daemon.url)
+        assert client.expiry() is not None
+    # Stopped: refused, not raised.
+    assert client.expiry() is None
+    assert client.last_error == f"{daemon.url}: connection refused"
+    with static_daemon(deadline + 60, listen=(("127.0.0.1", port),)):
+        answer = client.expiry()
+        assert answer is not None, client.last_error
+        assert answer.expires_at_unix == pytest.approx(deadline + 60, abs=1e-3)
+        assert client.last_error is None
+    client.close()
+
+
+def test_stale_keep_alive_connection_is_retried_once() -> None:
+    with static_daemon(time.time() + 300) as daemon, SidecarClient(daemon.url) as client:
+        assert client.expiry() is not None
+        connection = client._endpoints[0]._connection
+        assert connection is not None and connection.sock is not None
+        connection.sock.shutdown(socket.SHUT_RDWR)  # as if the peer had dropped it
+        assert client.expiry() is not None
+        assert client.last_error is None
+
+
+def test_earliest_deadline_wins_across_urls() -> None:
+    now = time.time()
+    with static_daemon(now + 900) as late, static_daemon(now + 300) as early:
+        client = SidecarClient(f"{late.url}, {early.url}")
+        assert client.deadline_unix() == pytest.approx(now + 300, abs=1e-3)
+        assert client.urls == (late.url, early.url)
+        # One node's daemon down: the others still answer; the error is kept.
+        dead = f"http://127.0.0.1:{closed_port()}"
+        partial = SidecarClient([late.url, dead])
+        assert partial.deadline_unix() == pytest.approx(now + 900, abs=1e-3)
+        assert partial.last_error == f"{dead}: connection refused"
+
+
+def test_url_from_environment_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = time.time()
+    with static_daemon(now + 900) as late, static_daemon(now + 300) as early:
+        monkeypatch.setenv("ESI_SIDECAR_URL", f"{late.url},{early.url}")
+        client = SidecarClient()
+        assert client.urls == (late.url, early.url)
+        assert client.deadline_unix() == pytest.approx(now + 300, abs=1e-3)
+
+
+def test_default_url_and_bad_environment_entries(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert SidecarClient().urls == (DEFAULT_URL,)
+    monkeypatch.setenv("ESI_SIDECAR_URL", "ftp://nowhere, http://127.0.0.1:9/")
+    with caplog.at_level(logging.WARNING, logger=CLIENT_LOGGER):
+        client = SidecarClient()
+    assert client.urls == ("http://127.0.0.1:9",)
+    assert "ignoring ESI_SIDECAR_URL entry" in caplog.text
+    monkeypatch.setenv("ESI_SIDECAR_URL", "not a url")
+    assert SidecarClient().urls == (DEFAULT_URL,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"url": "ftp://127.0.0.1:1"}, "http://"),
+        ({"url": "http://127.0.0.1:99999"}, "port"),
+        ({"url": ""}, "url"),
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        SidecarClient(**kwargs)
+
+
+# ------------------------------------------------------------------ client: dead daemon
+
+
+def test_connection_refused_returns_none() -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    client = SidecarClient(url)
+    started = time.monotonic()
+    assert client.expiry() is None
+    assert client.deadline_unix() is None
+    assert time.monotonic() - started < 1.0
+    assert client.last_error == f"{url}: connection refused"
+
+
+def test_hung_daemon_times_out_quickly(silent_listener: str) -> None:
+    client = SidecarClient(silent_listener, timeout=0.2)
+    started = time.monotonic()
+    assert client.expiry() is None
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0  # ~0.2 s; a generous bound, not a timing test
+    assert client.last_error == f"{silent_listener}: no answer within 0.2 s"
+
+
+# ------------------------------------------------------------------ client: broken peers
+
+
+class _BrokenPeer(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with whatever the test put in ``server.reply``."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        status, body = self.server.reply  # type: ignore[attr-defined]
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def broken_peer() -> Iterator[Callable[[int, bytes], str]]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BrokenPeer)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+
+    def serve(status: int, body: bytes) -> str:
+        server.reply = (status, body)  # type: ignore[attr-defined]
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    try:
+        yield serve
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _good_body(**changes: object) -> bytes:
+    body: dict[str, object] = {
+        "expires_at": None,
+        "expires_at_unix": time.time() + 100,
+        "remaining_seconds": 100.0,
+        "kind": "scheduled-release",
+        "source": "static",
+        "instance_id": None,
+        "scheduled_instance_id": None,
+        "observed_at": None,
+        "age_seconds": None,
+        "stale": False,
+        "error": None,
+        "server_time_unix": time.time(),
+    }
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (200, b"<html>not json</html>", "malformed JSON"),
+        (200, b"\xff\xfe\x00", "malformed JSON"),
+        (200, b"[1, 2, 3]", "expected a JSON object"),
+        (200, _good_body(expires_at_unix="tomorrow"), "expires_at_unix"),
+        (200, _good_body(stale="no"), "stale"),
+        (200, _good_body(server_time_unix=None), "server_time_unix"),
+        (200, b'{"expires_at_unix": NaN, "server_time_unix": 1}', "not finite"),
+        (500, b'{"detail": "boom"}', "HTTP 500"),
+        (503, b"", "HTTP 503"),
+        (200, b" " * (70 * 1024), "larger than"),
+    ],
+)
+def test_broken_peer_returns_none(
+    broken_peer: Callable[[int, bytes], str], status: int, body: bytes, expected: str
+) -> None:
+    url = broken_peer(status, body)
+    client = SidecarClient(url)
+    assert client.expiry() is None
+    assert client.last_error is not None
+    assert client.last_error.startswith(url)
+    assert expected in client.last_error
+    # The client is still usable once the peer behaves.
+    broken_peer(200, _good_body())
+    assert client.expiry() is not None
+    assert client.last_error is None
+
+
+def test_guard_survives_a_broken_peer(broken_peer: Callable[[int, bytes], str]) -> None:
+    guard = simple_guard(SidecarClient(broken_peer(200, b"garbage")))
+    with guard.step():
+        pass
+    assert guard.should_save() is False
+    assert guard.should_stop() is False
+    status = guard.status()
+    assert status.daemon_reachable is False
+    assert status.last_error is not None and "malformed JSON" in status.last_error
+
+
+# ------------------------------------------------------------------ env fallback
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1900000000", 1_900_000_000.0),
+        ("1900000000000", 1_900_000_000.0),  # milliseconds
+        ("1900000000.5", 1_900_000_000.5),
+        ("2030-01-01T08:00:00+08:00", 1_893_456_000.0),
+    ],
+)
+def test_env_deadline_seconds_milliseconds_rfc3339(value: str, expected: float) -> None:
+    assert env_deadline({MLP: value}) == pytest.approx(expected)
+    assert env_deadline({SAGEMAKER: value}) == pytest.approx(expected)
+
+
+def test_env_deadline_order_and_absence() -> None:
+    assert env_deadline({}) is None
+    assert env_deadline({MLP: "  "}) is None
+    both = {MLP: "1900000000", SAGEMAKER: "1800000000"}
+    assert env_deadline(both) == 1_900_000_000.0  # the Volcengine variable first
+
+
+def test_env_deadline_bad_value_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=CLIENT_LOGGER):
+        assert env_deadline({MLP: "next tuesday"}) is None
+    warnings = [r for r in caplog.records if r.name == CLIENT_LOGGER]
+    assert len(warnings) == 1
+    assert MLP in warnings[0].getMessage() and "next tuesday" in warnings[0].getMessage()
+    # A bad first variable does not hide a good second one.
+    assert env_deadline({MLP: "-5", SAGEMAKER: "1900000000000"}) == 1_900_000_000.0
+
+
+def test_env_deadline_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SAGEMAKER, "1900000000000")
+    assert env_deadline() == 1_900_000_000.0
+
+
+def test_guard_falls_back_to_env_when_the_daemon_is_down() -> None:
+    now = time.time()
+    guard = CheckpointGuard(
+        SidecarClient(f"http://127.0.0.1:{closed_port()}"),
+        SavePolicy(save_seconds=100.0),
+        environ={MLP: str(int((now + 200) * 1000))},  # milliseconds
+    )
+    with guard.step():
+        pass
+    assert guard.should_save() is True
+    status = guard.status()
+    assert status.deadline_source == "env"
+    assert status.daemon_reachable is False
+    assert status.deadline_unix == pytest.approx(int((now + 200) * 1000) / 1000)
+
+
+def test_guard_uses_env_when_the_daemon_knows_no_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The daemon's env source with no variable set answers "no deadline" (a real null).
+    with serve_daemon(sources=("env",)) as daemon:
+        client = SidecarClient(daemon.url)
+        wait_for(lambda: (client.expiry() or Expiry.from_json({"server_time_unix": 1})).source)
+        assert client.deadline_unix() is None
+        guard = CheckpointGuard(client, environ={SAGEMAKER: str(time.time() + 100)})
+        with guard.step():
+            pass
+        assert guard.should_save() is True
+        assert guard.status().deadline_source == "env"
+        assert guard.status().daemon_reachable is True
+
+        nothing = CheckpointGuard(SidecarClient(daemon.url), environ={})
+        assert nothing.should_save() is False
+        assert nothing.status().reason == "no deadline known"
+        assert nothing.status().deadline_source is None
+
+
+# ------------------------------------------------------------------ guard: real daemon
+
+
+def test_guard_saves_once_then_stops_against_the_real_daemon() -> None:
+    with static_daemon(time.time() + 200) as daemon:
+        # 100 s save + 120 s margin > 200 s left: the first decision is "save now".
+        guard = simple_guard(SidecarClient(daemon.url), policy=SavePolicy(save_seconds=100.0))
+        assert guard.should_save() is False  # no step measured yet
+        assert guard.last_decision is not None
+        assert guard.last_decision.reason == "no step measured yet"
+        saves: list[float] = []
+        steps_run = 0
+        for _ in range(5):
+            with guard.step():
+                steps_run += 1
+            if guard.maybe_save(lambda: saves.append(time.time())):
+                assert guard.should_save() is False
+            if guard.should_stop():
+                break
+        assert len(saves) == 1
+        assert steps_run == 1
+        status = guard.status()
+        assert status.stop and not status.save_now
+        assert status.deadline_source == "daemon" and status.daemon_reachable
+        assert status.remaining_seconds is not None and 190 < status.remaining_seconds < 200.5
+        assert status.save_seconds < 1.0  # measured: the lambda took microseconds
+
+
+def test_guard_outside_the_window_does_not_save() -> None:
+    with static_daemon(time.time() + 3600) as daemon:
+        guard = simple_guard(SidecarClient(daemon.url))
+        for _ in range(3):
+            with guard.step():
+                pass
+            assert guard.should_save() is False
+            assert guard.should_stop() is False
+        status = guard.status()
+        assert status.budget_seconds is not None and 180 <= status.budget_seconds < 181
+        assert status.reason.startswith("remaining ")
+
+
+def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
+    now = time.time()
+    wall = [now]
+    monotonic = FakeMonotonic()
+    # poll_interval is long so that the test, not the poller, sets what the store serves.
+    with static_daemon(now + 200, poll_interval=3600) as daemon:
+        guard = simple_guard(
+            SidecarClient(daemon.url),
+            policy=SavePolicy(save_seconds=100.0),
+            clock=lambda: wall[0],
+            monotonic=monotonic,
+        )
+        guard.record_step(1.0)
+        assert guard.should_save()
+        with guard.saving():
+            pass
+        assert guard.should_stop()
+
+        later = now + 200 + 7200
+        daemon.store.record_success("static", Observation(expires_at_unix=later))
+        monotonic.advance(1.0)  # the next refresh is due
+        assert guard.should_save() is False
+        assert guard.should_stop() is False  # armed again: keep training
+        assert guard.status().deadline_unix == pytest.approx(later)
+
+        wall[0] = later - 100  # near: 1 s step + ~0 s measured save + 120 s margin
+        assert guard.should_save() is True
+
+
+def test_user_save_error_propagates_and_is_not_counted() -> None:
+    with static_daemon(time.time() + 200) as daemon:
+        guard = simple_guard(SidecarClient(daemon.url), policy=SavePolicy(save_seconds=100.0))
+        guard.record_step(1.0)
+
+        def failing_save() -> None:
+            raise OSError("disk full")
+
+        with pytest.raises(OSError, match="disk full"):
+            guard.maybe_save(failing_save)
+        assert guard.policy.measured_save_estimate() is None
+        assert guard.should_save() is True  # still owed
+        assert guard.should_stop() is False
+
+
+def test_failed_step_is_not_recorded() -> None:
+    guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"))
+    with pytest.raises(RuntimeError), guard.step():
+        raise RuntimeError("nan loss")
+    assert guard.policy.step_estimate() is None
+
+
+def test_step_and_save_are_timed_with_the_monotonic_clock() -> None:
+    monotonic = FakeMonotonic()
+    guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), monotonic=monotonic)
+    with guard.step():
+        monotonic.advance(7.5)
+    with guard.saving():
+        monotonic.advance(10.0)
+    assert guard.policy.step_estimate() == 7.5
+    assert guard.policy.save_estimate() == pytest.approx(12.0)
+
+
+def test_guard_refreshes_at_most_every_refresh_seconds() -> None:
+    monotonic = FakeMonotonic()
+    with static_daemon(time.time() + 3600) as daemon:
+        client = CountingClient(daemon.url)
+        guard = simple_guard(client, refresh_seconds=1.0, monotonic=monotonic)
+        guard.record_step(0.01)
+        for _ in range(100):
+            guard.should_save()
+        assert client.requests == 1
+        monotonic.advance(0.999)
+        guard.should_save()
+        assert client.requests == 1
+        monotonic.advance(0.001)
+        for _ in range(10):
+            guard.should_save()
+        assert client.requests == 2
+
+
+def test_remaining_is_recomputed_from_the_clock_between_refreshes() -> None:
+    now = time.time()
+    wall = [now]
+    with static_daemon(now + 1000) as daemon:
+        guard = simple_guard(
+            SidecarClient(daemon.url),
+            clock=lambda: wall[0],
+            monotonic=FakeMonotonic(),  # never advances: no second request
+        )
+        guard.record_step(10.0)
+        assert guard.should_save() is False
+        wall[0] = now + 900  # 100 s left <= 10 + 60 + 120
+        assert guard.should_save() is True
+        assert guard.status().remaining_seconds == pytest.approx(100.0, abs=1e-3)
+
+
+# ------------------------------------------------------------------ guard: dead daemon
+
+
+def test_dead_daemon_one_warning_retry_interval_no_stall(
+    caplog: pytest.LogCaptureFixture, silent_listener: str
+) -> None:
+    monotonic = FakeMonotonic()
+    client = CountingClient(silent_listener, timeout=0.2)
+    guard = simple_guard(client, daemon_retry_seconds=5.0, monotonic=monotonic)
+    with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+        for _ in range(40):
+            started = time.monotonic()
+            with guard.step():
+                pass
+            assert guard.should_save() is False
+            assert guard.should_stop() is False
+            assert time.monotonic() - started < 1.0  # a hung daemon never stalls a step
+            monotonic.advance(0.5)
+    # 40 steps, 0.5 s apart: 20 s, a retry every 5 s.
+    assert client.requests == 4
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "unreachable" in warnings[0].getMessage()
+    assert "no answer within 0.2 s" in warnings[0].getMessage()
+
+
+def test_daemon_down_keeps_last_deadline_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
+    deadline = time.time() + 1000
+    monotonic = FakeMonotonic()
+    with static_daemon(deadline) as daemon:
+        port = int(daemon.url.rsplit(":", 1)[1])
+        guard = simple_guard(SidecarClient(daemon.url), monotonic=monotonic)
+        guard.record_step(1.0)
+        assert guard.should_save() is False
+        assert guard.status().deadline_source == "daemon"
+
+    with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+        monotonic.advance(1.0)
+        for _ in range(20):
+            guard.should_save()
+        status = guard.status()
+        assert status.daemon_reachable is False
+        assert status.deadline_unix == pytest.approx(deadline, abs=1e-3)  # kept
+        assert status.deadline_source == "daemon"
+        assert status.last_error is not None and "connection refused" in status.last_error
+
+        with static_daemon(deadline + 60, listen=(("127.0.0.1", port),)):
+            monotonic.advance(5.0)  # the retry is due
+            guard.should_save()
+            status = guard.status()
+            assert status.daemon_reachable is True
+            assert status.deadline_unix == pytest.approx(deadline + 60, abs=1e-3)
+            assert status.last_error is None
+
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == CLIENT_LOGGER]
+    assert [level for level, _ in messages] == [logging.WARNING, logging.INFO]
+    assert "using the last known deadline" in messages[0][1]
+    assert "reachable again" in messages[1][1]
+
+
+def test_daemon_down_prefers_an_earlier_env_deadline() -> None:
+    now = time.time()
+    monotonic = FakeMonotonic()
+    with static_daemon(now + 5000) as daemon:
+        guard = CheckpointGuard(
+            SidecarClient(daemon.url), monotonic=monotonic, environ={MLP: str(now + 3000)}
+        )
+        guard.should_save()
+        assert guard.status().deadline_source == "daemon"  # reachable: the daemon wins
+    monotonic.advance(1.0)
+    guard.should_save()
+    status = guard.status()
+    assert status.deadline_source == "env"
+    assert status.deadline_unix == pytest.approx(now + 3000)
+
+
+def test_stale_daemon_answer_is_used_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A second source (env) failing makes the daemon's picture stale; static still gives
+    # the deadline.
+    monkeypatch.setenv(MLP, "garbage")
+    monotonic = FakeMonotonic()
+    deadline = time.time() + 1000
+    with static_daemon(deadline, sources=("static", "env")) as daemon:
+        client = SidecarClient(daemon.url)
+        wait_for(lambda: (client.expiry() or Expiry.from_json({"server_time_unix": 1})).error)
+        guard = simple_guard(client, monotonic=monotonic)
+        with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+            for _ in range(3):
+                guard.should_save()
+                monotonic.advance(1.0)
+            assert guard.status().deadline_unix == pytest.approx(deadline, abs=1e-3)
+            monkeypatch.delenv(MLP)  # the daemon's next poll of env succeeds
+
+            def fresh_again() -> bool:
+                monotonic.advance(1.0)
+                guard.should_save()
+                return "fresh again" in caplog.text
+
+            wait_for(fresh_again)
+    stale = [r for r in caplog.records if "stale" in r.getMessage()]
+    assert len(stale) == 1 and stale[0].levelno == logging.WARNING
+    assert MLP in stale[0].getMessage()
+
+
+def test_guard_arguments_are_validated() -> None:
+    client = SidecarClient(f"http://127.0.0.1:{closed_port()}")
+    with pytest.raises(ValueError, match="refresh_seconds"):
+        CheckpointGuard(client, refresh_seconds=-1)
+    with pytest.raises(ValueError, match="daemon_retry_seconds"):
+        CheckpointGuard(client, daemon_retry_seconds=float("inf"))
+
+
+def test_default_guard_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESI_SIDECAR_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv(MLP, str(time.time() + 100))
+    guard = CheckpointGuard()
+    assert guard.client.urls == (monkeypatch_url := guard.client.urls[0],)
+    assert monkeypatch_url.startswith("http://127.0.0.1:")
+    guard.record_step(1.0)
+    assert guard.should_save() is True
+    assert guard.status().deadline_source == "env"
+
+
+# ------------------------------------------------------------------ reducer (ranks)
+
+
+class ThreadAllReduce:
+    """An in-process all-reduce for N "ranks" running in threads (what gloo would do)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=10)
+        self.slots: list[tuple[float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0)] * world_size
+        self.calls = [0] * world_size
+
+    def for_rank(self, rank: int) -> Reducer:
+        def reduce(
+            remaining: float, step: float, save: float, covered: float
+        ) -> tuple[float, float, float, float]:
+            self.calls[rank] += 1
+            self.slots[rank] = (remaining, step, save, covered)
+            self.barrier.wait()
+            values = list(self.slots)
+            self.barrier.wait()  # nobody overwrites a slot before everyone has read
+            return (
+                min(v[0] for v in values),
+                max(v[1] for v in values),
+                max(v[2] for v in values),
+                max(v[3] for v in values),
+            )
+
+        return reduce
+
+
+def test_ranks_decide_alike_and_stop_together() -> None:
+    # Rank 0 talks to a daemon and saves (DDP style: rank 0 writes the checkpoint);
+    # rank 1's daemon is unreachable. Both must be told to save and to stop together.
+    reduce = ThreadAllReduce(2)
+    told_to_save: dict[int, list[int]] = {0: [], 1: []}
+    stopped_at: dict[int, int] = {}
+    errors: list[BaseException] = []
+    with static_daemon(time.time() + 200) as daemon:
+        urls = [daemon.url, f"http://127.0.0.1:{closed_port()}"]
+
+        def train(rank: int) -> None:
+            try:
+                guard = CheckpointGuard(
+                    SidecarClient(urls[rank]),
+                    SavePolicy(save_seconds=100.0),
+                    environ={},
+                    reducer=reduce.for_rank(rank),
+                )
+                for step in range(10):
+                    with guard.step():
+                        pass
+                    if guard.should_save():
+                        told_to_save[rank].append(step)
+                        if rank == 0:
+                            with guard.saving():
+                                pass
+                    status = guard.status()  # local, never collective
+                    assert status.save_now is False or rank == 0
+                    if guard.should_stop():
+                        stopped_at[rank] = step
+                        return
+            except BaseException as exc:  # reported to the main thread
+                errors.append(exc)
+                reduce.barrier.abort()
+
+        threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, errors
+    assert told_to_save == {0: [0], 1: [0]}
+    assert stopped_at == {0: 0, 1: 0}
+    assert reduce.calls == [2, 2]  # once per should_save, once per should_stop
+
+
+def test_reducer_sentinels_for_unknown_values() -> None:
+    seen: list[tuple[float, float, float, float]] = []
+
+    def record(
+        remaining: float, step: float, save: float, covered: float
+    ) -> tuple[float, float, float, float]:
+        seen.append((remaining, step, save, covered))
+        return remaining, step, save, covered
+
+    guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
+    assert guard.should_save() is False
+    assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED)]
+    assert guard.last_decision is not None
+    assert guard.last_decision.reason == "no deadline known"
+    guard.status()
+    assert len(seen) == 1  # status() never calls the reducer
+
+
+def test_reduced_values_drive_the_decision() -> None:
+    # This rank knows nothing; a peer rank knows the deadline, a step and a save.
+    def peer_knows(
+        remaining: float, step: float, save: float, covered: float
+    ) -> tuple[float, float, float, float]:
+        return min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9)
+
+    guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
+    assert guard.should_save() is True
+    decision = guard.last_decision
+    assert decision is not None
+    assert decision.remaining_seconds == 140.0
+    assert decision.budget_seconds == pytest.approx(20 + 5 + 120)
