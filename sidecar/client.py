@@ -410,6 +410,7 @@ class CheckpointGuard:
         self._warned_internal = False
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
+        self._last_save_decision: Optional[PolicyDecision] = None
         self.last_error: Optional[str] = None
 
     # ------------------------------------------------------------------ measuring
@@ -437,7 +438,10 @@ class CheckpointGuard:
         """For callers that time saves themselves; ``started_unix`` defaults to now - seconds."""
         if started_unix is None:
             started_unix = self._clock() - seconds
-        budget = None if self._last_decision is None else self._last_decision.budget_seconds
+        # The budget of the decision that asked for this save, so that the save covers
+        # what that decision promised (see SavePolicy.record_save).
+        asked = self._last_save_decision
+        budget = None if asked is None else asked.budget_seconds
         self.policy.record_save(seconds, started_unix=started_unix, budget_seconds=budget)
 
     # ------------------------------------------------------------------ deciding
@@ -445,6 +449,7 @@ class CheckpointGuard:
     def should_save(self) -> bool:
         """Save now? At most once per deadline. Collective when a reducer is set."""
         decision = self._decide(reduce=True)
+        self._last_decision = self._last_save_decision = decision
         if decision.save_now:
             logger.info("checkpoint now: %s", decision.reason)
         return decision.save_now
@@ -455,6 +460,7 @@ class CheckpointGuard:
         Collective when a reducer is set (so that every rank leaves the loop together).
         """
         decision = self._decide(reduce=True)
+        self._last_decision = decision
         if decision.stop and not self._stopping:
             logger.info("stop training: %s", decision.reason)
         self._stopping = decision.stop
@@ -488,6 +494,7 @@ class CheckpointGuard:
 
     @property
     def last_decision(self) -> Optional[PolicyDecision]:
+        """The decision behind the last should_save() or should_stop() (not status())."""
         return self._last_decision
 
     def _decide(self, *, reduce: bool) -> PolicyDecision:
@@ -517,14 +524,12 @@ class CheckpointGuard:
             step = None if s < 0 or math.isnan(s) else s
             measured_save = None if v < 0 or math.isnan(v) else v
             covered = None if math.isinf(c) or math.isnan(c) else c
-        decision = policy.decide(
+        return policy.decide(
             remaining,
             step_seconds=step,
             save_seconds=policy.save_seconds if measured_save is None else measured_save,
             covered_seconds=covered,
         )
-        self._last_decision = decision
-        return decision
 
     # ------------------------------------------------------------------ the deadline
 

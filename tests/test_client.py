@@ -129,10 +129,12 @@ def test_keep_alive_request_is_fast() -> None:
     # Generous bound: catches the 40 ms delayed-ACK stall per request (it was 44 ms).
     with static_daemon(time.time() + 500) as daemon, SidecarClient(daemon.url) as client:
         client.expiry()
-        started = time.perf_counter()
-        for _ in range(20):
+        durations = []
+        for _ in range(21):
+            started = time.perf_counter()
             assert client.expiry() is not None
-        assert (time.perf_counter() - started) / 20 < 0.02
+            durations.append(time.perf_counter() - started)
+        assert sorted(durations)[10] < 0.025  # the median; ~0.0005 s when healthy
 
 
 def test_reconnects_after_the_daemon_restarts() -> None:

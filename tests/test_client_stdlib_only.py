@@ -1,0 +1,169 @@
+"""``pip install esi-sidecar`` has no dependencies: the training side must run on the
+standard library alone, and on the oldest Python we support (3.9) when one is installed.
+
+Each run makes a bare virtual environment (no pip, no site-packages of ours), puts only
+the source tree on the path, and in it imports ``sidecar.client``, takes a decision
+against a live daemon (started here, in the test process, which has the server extras)
+and lists every server dependency that got imported.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from daemon_harness import serve_daemon
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import importlib.util, json, sys
+
+# The environment really is bare: the server's dependencies cannot even be found.
+missing = {name: importlib.util.find_spec(name) is None for name in ("fastapi", "pydantic")}
+
+import sidecar
+from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.policy import SavePolicy
+
+guard = CheckpointGuard(SidecarClient(sys.argv[1]), SavePolicy(save_seconds=100.0), environ={})
+guard.record_step(1.0)
+save_now = guard.should_save()
+with guard.saving():
+    pass
+stop = guard.should_stop()
+status = guard.status()
+
+server_side = ("fastapi", "uvicorn", "pydantic", "pydantic_core", "starlette", "dateutil",
+               "prometheus_client", "anyio", "h11", "httpx")
+imported = sorted(
+    name for name in sys.modules
+    if name.split(".")[0] in server_side or name.startswith("volcengine")
+    or name in ("sidecar.api", "sidecar.store", "sidecar.daemon", "sidecar.sources")
+)
+print(json.dumps({
+    "python": list(sys.version_info[:2]),
+    "missing": missing,
+    "save_now": save_now,
+    "stop": stop,
+    "source": status.deadline_source,
+    "remaining": status.remaining_seconds,
+    "imported": imported,
+    "exported": sorted(sidecar.__all__),
+}))
+"""
+
+
+def _python39() -> Optional[str]:
+    """A working python3.9 if this machine has one (PATH, then pyenv's versions)."""
+    candidates = [shutil.which("python3.9")]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.9*/bin/python3.9")))
+    for candidate in candidates:
+        if not candidate:
+            continue
+        try:
+            result = subprocess.run(
+                [candidate, "-c", "import sys; print(sys.version_info[:2] == (3, 9))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if result.returncode == 0 and result.stdout.strip() == "True":
+            return candidate
+    return None
+
+
+def _bare_python(base: str, folder: Path) -> Path:
+    """A venv without pip: nothing but the standard library of ``base``."""
+    if base == sys.executable:
+        venv.EnvBuilder(with_pip=False, clear=True).create(folder)
+    else:
+        subprocess.run([base, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=60)
+    return folder / "bin" / "python"
+
+
+INTERPRETERS = [
+    pytest.param(sys.executable, id="current"),
+    pytest.param("python3.9", id="python3.9"),
+]
+
+
+@pytest.mark.parametrize("interpreter", INTERPRETERS)
+def test_client_runs_on_the_standard_library_alone(interpreter: str, tmp_path: Path) -> None:
+    if interpreter == "python3.9":
+        found = _python39()
+        if found is None:
+            pytest.skip("no python3.9 on this machine")
+        interpreter = found
+    python = _bare_python(interpreter, tmp_path / "venv")
+    environment = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(SOURCE_ROOT),
+        "PYTHONNOUSERSITE": "1",
+    }
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 200)) as daemon:
+        result = subprocess.run(
+            [str(python), "-c", CHILD, daemon.url],
+            capture_output=True,
+            text=True,
+            env=environment,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["missing"] == {"fastapi": True, "pydantic": True}
+    assert report["imported"] == []
+    # A real decision against the live daemon: 1 + 100 + 120 s budget > 200 s left.
+    assert report["save_now"] is True
+    assert report["stop"] is True
+    assert report["source"] == "daemon"
+    assert 150 < report["remaining"] <= 200
+    assert "CheckpointGuard" in report["exported"]
+    if "3.9" in interpreter:
+        assert report["python"] == [3, 9]
+
+
+def test_example_runs_without_torch(tmp_path: Path) -> None:
+    """examples/plain_pytorch.py falls back to its toy model and saves once, then stops."""
+    python = _bare_python(sys.executable, tmp_path / "venv")
+    with socket.socket() as sock:  # a port nobody listens on: no daemon, env fallback
+        sock.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    checkpoint = tmp_path / "checkpoint.json"
+    command = [str(python), str(SOURCE_ROOT / "examples" / "plain_pytorch.py"), "--steps", "50"]
+    environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SOURCE_ROOT)}
+    environment["ESI_SIDECAR_URL"] = dead_url
+    released = subprocess.run(
+        [*command, "--release-in", "170", "--checkpoint", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=60,
+    )
+    assert released.returncode == 0, released.stderr
+    assert "model=ToyModel ran to step 1/50" in released.stdout
+    assert "deadline from env" in released.stdout
+    assert json.loads(checkpoint.read_text())["step"] == 0
+    # Resumed without a deadline: runs to the end from the checkpoint.
+    resumed = subprocess.run(
+        [*command, "--checkpoint", str(checkpoint)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=60,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "ran to step 50/50" in resumed.stdout
