@@ -12,8 +12,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from sidecar import __version__
 from sidecar.config import add_arguments, parse_address
@@ -189,7 +190,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     else:
         emulator.set_release_in(args.release_in)
     url = emulator.start(host=host, port=port)
-    print(f"Volcengine ECS emulator on {url} (release {args.release_at or f'in {args.release_in:g} s'})")
+    when = args.release_at or f"in {args.release_in:g} s"
+    print(f"Volcengine ECS emulator on {url} (release {when})")
     print("Point the daemon at it, in another terminal:")
     # Emulator credentials are not secrets; print them so the lines can be pasted as-is.
     print(f"  export VOLCENGINE_ACCESS_KEY={args.access_key} "

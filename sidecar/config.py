@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from sidecar.timeparse import TimestampError, parse_timestamp
 

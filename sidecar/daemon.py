@@ -93,7 +93,9 @@ def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:
     try:
         for host, port in addresses:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            # IPPROTO_TCP explicitly: asyncio disables Nagle only on sockets whose proto says TCP;
+            # with proto 0 every keep-alive answer waits ~40 ms for a delayed ACK.
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

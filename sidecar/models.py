@@ -8,8 +8,9 @@ client turns that into "no answer" rather than an exception in the training loop
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 __all__ = ["KIND_PREEMPTION", "KIND_SCHEDULED_RELEASE", "Decision", "Expiry", "decide"]
 

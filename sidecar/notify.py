@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 __all__ = ["notify", "watchdog_interval"]
 

@@ -20,9 +20,10 @@ import random
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from sidecar.sources.base import Observation, Source, SourceError
 from sidecar.store import Store

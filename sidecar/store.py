@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from sidecar.models import Expiry
 from sidecar.sources.base import Observation
@@ -148,16 +149,12 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
     might hold an earlier deadline, and the client should know. ``observed_at`` is the
     oldest of the sources' last successes, for the same reason.
     """
-    with_deadline = [
-        status
+    deadlines = [
+        (status.observation.expires_at_unix, status)
         for status in snapshot.sources
         if status.observation is not None and status.observation.expires_at_unix is not None
     ]
-    chosen = min(
-        with_deadline,
-        key=lambda status: status.observation.expires_at_unix,  # type: ignore[union-attr]
-        default=None,
-    )
+    chosen = min(deadlines, key=lambda pair: pair[0], default=(None, None))[1]
     observed = [s.observed_at_unix for s in snapshot.sources if s.observed_at_unix is not None]
     observed_at = min(observed) if len(observed) == len(snapshot.sources) else None
     errors = [s for s in snapshot.sources if s.error]

@@ -65,7 +65,7 @@ def test_poll_once_records_failure_then_recovery_logging_once_per_change(
 
 
 def test_state_file_round_trip(tmp_path: Path) -> None:
-    poller, store = make({MLP: "1900000000"}, tmp_path)
+    poller, _ = make({MLP: "1900000000"}, tmp_path)
     poller.poll_once(poller._sources[0])  # a change: written at once
     data = json.loads((tmp_path / "state.json").read_text())
     assert data["sources"]["env"]["observation"]["expires_at_unix"] == 1900000000

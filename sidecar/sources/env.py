@@ -9,7 +9,8 @@ poll, so a value changed by the service manager's reload is picked up.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from sidecar.models import KIND_SCHEDULED_RELEASE
 from sidecar.sources.base import Observation, SourceError
