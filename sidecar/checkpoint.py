@@ -1,0 +1,780 @@
+"""Atomic, validated checkpoints, and resume from the newest valid one (standard library only).
+
+Why: a reclaimable machine can be killed at any instant, in the middle of ``torch.save``
+too. A checkpoint folder that exists but holds half a file is worse than none: the
+resumed job crashes at load, or trains on from garbage. Here a checkpoint appears
+complete or not at all (issue "Checkpoint safety", items 1 and 2).
+
+A save (:class:`atomic_checkpoint`): your code writes into a hidden temporary folder next
+to the target, with any writer and any layout (``torch.save``, DCP folders, safetensors,
+verl's ``global_step_N``). When the block ends without an exception, every file and
+sub-folder is fsynced, ``MANIFEST.json`` (step, created time, every file's size and
+optionally sha256, your metadata) is written last and fsynced, the folder is renamed into
+place and the parent fsynced, and the small text file ``latest`` is replaced atomically
+with the folder's name. A folder without a manifest is never a checkpoint, so a killed
+save leaves nothing that looks complete; its temporary folder is removed by the next
+save or resume, once its writer is known to be dead.
+
+On disk::
+
+    root/
+      step_00000100/                 a committed checkpoint: your files, any sub-folders,
+        MANIFEST.json                written last
+        .uploading or .keep          optional pins: retention never deletes this folder
+      latest                         text: the newest committed folder's name (a hint)
+      .tmp-step_00000200.<writer>.<token>/   a save in progress, or a killed one's leftovers
+
+Resume (:func:`latest_valid`) scans the folders, newest by step then created time first,
+and returns the first whose files match its manifest (sizes always, sha256 on request),
+logging one warning for each folder it skips and why. ``latest`` is only a hint for
+people and tools: a missing or stale pointer never hides a valid checkpoint.
+
+What a complete checkpoint holds, so the resumed run continues the same run rather than
+a similar one: the model's and the optimizer's state dicts; the LR scheduler; the global
+step and epoch; the RNG states (Python ``random``, NumPy, torch CPU and CUDA:
+:func:`capture_rng_state`); the data loader's position (samples or batches consumed in
+the epoch, the sampler's epoch and seed, or a stateful loader's ``state_dict()``); the AMP
+grad scaler; and the configuration that produced the run (as a file in the folder, or in
+``metadata``)::
+
+    import torch
+    from sidecar.checkpoint import (
+        atomic_checkpoint, capture_rng_state, latest_valid, restore_rng_state)
+
+    root = "/mnt/ckpt/run-42"
+    start_step = 0
+    found = latest_valid(root)                      # None on the first start
+    if found is not None:
+        state = torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        restore_rng_state(state["rng"])
+        start_step = state["step"] + 1              # and skip state["batches_seen"] batches
+
+    for step in range(start_step, total_steps):
+        ...
+        if guard.should_save(step):                 # sidecar.client decides when
+            with atomic_checkpoint(root, step, keep_last=3, metadata={"loss": loss}) as d:
+                torch.save({"model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "scaler": scaler.state_dict(),
+                            "rng": capture_rng_state(),
+                            "step": step, "batches_seen": batches_seen}, d / "state.pt")
+                (d / "config.json").write_text(config_json)
+
+One writer per checkpoint: with ``torch.distributed`` checkpointing, the ranks must agree
+on the one temporary folder and only one of them may commit; that coordination belongs
+to ``sidecar.integrations``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Optional, Union
+
+from sidecar._manifest import (
+    MANIFEST_NAME,
+    PIN_MARKERS,
+    CheckpointError,
+    CheckpointInfo,
+    FileEntry,
+    Invalid,
+    check_files,
+    fsync_dir,
+    read_manifest,
+    render_manifest,
+    replace_atomically,
+    sync_tree,
+    write_durably,
+)
+
+__all__ = [
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "PIN_MARKERS",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointListing",
+    "FileEntry",
+    "atomic_checkpoint",
+    "capture_rng_state",
+    "clean_leftovers",
+    "latest_valid",
+    "list_checkpoints",
+    "prune",
+    "restore_rng_state",
+    "validate",
+]
+
+_log = logging.getLogger("sidecar.checkpoint")
+
+PathLike = Union[str, "os.PathLike[str]"]
+LATEST_NAME = "latest"
+# Leftovers of a save: ``.tmp-`` (being written), ``.old-`` (the folder a re-save moved
+# aside), ``.del-`` (being pruned). The writer tag says who owns it: a hash of the host
+# (node name + boot id), the pid, and the process start time (pids are reused, in
+# containers within seconds, so a pid alone would keep a dead writer's folder forever).
+_LEFTOVER = re.compile(
+    r"^\.(?P<kind>tmp|old|del)-(?P<name>.+)\."
+    r"(?P<host>[0-9a-f]{8})-(?P<pid>\d{1,10})-(?P<start>\d{1,20})\.(?P<token>[0-9a-f]{8})$"
+)
+# Folders without a manifest that still look like checkpoints (and so are reported as
+# partial rather than ignored): step_00000100, global_step_100, checkpoint-100.
+_STEP_LIKE = re.compile(r"(?:step|checkpoint)[-_]?(\d+)$", re.IGNORECASE)
+# Another host's leftover cannot be checked by pid; it is removed once nothing in it has
+# changed for this long (a live writer keeps touching its files).
+FOREIGN_LEFTOVER_AFTER_S = 3600.0
+
+# Test seam: called with (phase, detail) at each step of a commit, so the crash tests can
+# kill a subprocess at an exact point without sleeping. Never set in production.
+_phase_hook: Optional[Callable[[str, str], None]] = None
+
+
+def _phase(name: str, detail: str = "") -> None:
+    if _phase_hook is not None:
+        _phase_hook(name, detail)
+
+
+# -- who owns a leftover -------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _host_tag() -> str:
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return hashlib.sha256(f"{platform.node()}\0{boot_id}".encode()).hexdigest()[:8]
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks) from /proc, or None where there is no /proc."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _writer_tag() -> str:
+    pid = os.getpid()
+    info = _proc_stat(pid)
+    return f"{_host_tag()}-{pid}-{info[1] if info else 0}"
+
+
+def _writer_alive(host: str, pid: int, start: int) -> Optional[bool]:
+    """True or False for a writer on this host; None for another host (unknowable)."""
+    if host != _host_tag():
+        return None
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another user
+    except (OverflowError, OSError):
+        return False
+    info = _proc_stat(pid)
+    if info is not None:
+        state, current_start = info
+        if state in ("Z", "X", "x"):  # killed, waiting to be reaped
+            return False
+        if start and current_start != start:  # the pid was reused
+            return False
+    return True
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = os.lstat(path).st_mtime
+    for current, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(current, name)).st_mtime)
+            except FileNotFoundError:
+                continue
+    return newest
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def clean_leftovers(
+    root: PathLike, *, foreign_after_s: float = FOREIGN_LEFTOVER_AFTER_S
+) -> list[Path]:
+    """Remove what killed saves left in ``root``; returns the paths removed or restored.
+
+    Only leftovers whose writer is dead are touched: on this host the pid is checked
+    (with its start time, against pid reuse); another host's leftover (a shared mount)
+    only once nothing in it changed for ``foreign_after_s``. A folder that a re-save had
+    moved aside, whose replacement never arrived, is renamed back rather than removed,
+    so a kill between the two renames never loses the checkpoint. Called by
+    :class:`atomic_checkpoint` and :func:`latest_valid`.
+    """
+    base = Path(root)
+    try:
+        entries = sorted(os.scandir(base), key=lambda entry: entry.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    handled: list[Path] = []
+    now = time.time()
+    for entry in entries:
+        match = _LEFTOVER.match(entry.name)
+        if match is None:
+            continue
+        path = Path(entry.path)
+        try:
+            alive = _writer_alive(match["host"], int(match["pid"]), int(match["start"]))
+            if alive is None:
+                alive = now - _newest_mtime(path) < foreign_after_s
+            if alive:
+                continue
+            final = base / match["name"]
+            if match["kind"] == "old" and not os.path.lexists(final):
+                os.rename(path, final)
+                fsync_dir(base)
+                _log.warning("restored %s: the save that was replacing it was killed", final)
+                handled.append(final)
+                continue
+            _remove(path)
+            _log.info("removed %s, left by a killed save", path)
+            handled.append(path)
+        except FileNotFoundError:
+            continue  # another process cleaned it first
+        except OSError as exc:
+            _log.warning("could not clean %s: %s", path, exc)
+    return handled
+
+
+def _clean_quietly(root: Path) -> None:
+    try:
+        clean_leftovers(root)
+    except OSError as exc:  # e.g. a read-only mount when resuming
+        _log.warning("could not clean leftovers in %s: %s", root, exc)
+
+
+# -- discovery -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointListing:
+    """One folder of ``root`` as :func:`list_checkpoints` sees it.
+
+    ``info`` is set when the folder is a valid checkpoint; ``reason`` says why not
+    otherwise. ``step`` comes from the manifest, else from the name, else None.
+    """
+
+    path: Path
+    step: Optional[int]
+    info: Optional[CheckpointInfo]
+    reason: Optional[str]
+
+    @property
+    def valid(self) -> bool:
+        return self.info is not None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    path: Path
+    step: Optional[int]
+    manifest: Optional[CheckpointInfo]  # parsed, files not yet checked
+    reason: Optional[str]
+
+
+def _candidates(root: Path) -> list[_Candidate]:
+    """Folders that are, or look like, checkpoints; newest (step, created) first."""
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+            continue
+        folder = Path(entry.path)
+        try:
+            manifest = read_manifest(folder)
+        except Invalid as exc:
+            looks_like = _STEP_LIKE.search(entry.name)
+            if looks_like is None and not os.path.lexists(folder / MANIFEST_NAME):
+                continue  # not a checkpoint at all: someone else's folder
+            step = int(looks_like.group(1)) if looks_like else None
+            found.append(_Candidate(folder, step, None, str(exc)))
+        else:
+            found.append(_Candidate(folder, manifest.step, manifest, None))
+
+    def newest_first(candidate: _Candidate) -> tuple[int, float, str]:
+        created = candidate.manifest.created_at.timestamp() if candidate.manifest else 0.0
+        step = -1 if candidate.step is None else candidate.step
+        return (step, created, candidate.path.name)
+
+    found.sort(key=newest_first, reverse=True)
+    return found
+
+
+def _checked(candidate: _Candidate, verify_checksums: bool) -> tuple[Optional[CheckpointInfo], str]:
+    if candidate.manifest is None:
+        return None, candidate.reason or "not a checkpoint"
+    try:
+        check_files(candidate.manifest, verify_checksums=verify_checksums)
+    except Invalid as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"could not read its files: {exc}"
+    return candidate.manifest, ""
+
+
+def _read_pointer(root: Path) -> Optional[str]:
+    try:
+        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name or None
+
+
+def list_checkpoints(root: PathLike, *, verify_checksums: bool = False) -> list[CheckpointListing]:
+    """Every checkpoint-like folder in ``root``, valid or not, newest first, with the reason.
+
+    Read-only: unlike :func:`latest_valid` it cleans nothing, so it is safe for tools
+    that only look (the uploader, ``esi-sidecar status``).
+    """
+    listings = []
+    for candidate in _candidates(Path(root)):
+        info, reason = _checked(candidate, verify_checksums)
+        listings.append(CheckpointListing(candidate.path, candidate.step, info, reason or None))
+    return listings
+
+
+def validate(path: PathLike, verify_checksums: bool = False) -> CheckpointInfo:
+    """The checkpoint in ``path``, checked against its manifest; raises CheckpointError."""
+    folder = Path(path)
+    try:
+        info = read_manifest(folder)
+        check_files(info, verify_checksums=verify_checksums)
+    except Invalid as exc:
+        reason = str(exc)
+    except OSError as exc:
+        reason = f"could not read its files: {exc}"
+    else:
+        return info
+    raise CheckpointError(f"{folder} is not a valid checkpoint: {reason}", reason=reason)
+
+
+def latest_valid(
+    root: PathLike, *, verify_checksums: bool = False, clean: bool = True
+) -> Optional[CheckpointInfo]:
+    """The newest checkpoint (by step, then created time) whose files match its manifest.
+
+    Skipped folders (partial, corrupt) get one warning each, naming the reason. With
+    ``verify_checksums`` the sha256 of every file is compared too (when the save recorded
+    them), which reads every byte: use it when the storage itself is in doubt. ``clean``
+    first removes dead writers' leftovers (see :func:`clean_leftovers`). Returns None when
+    there is no valid checkpoint.
+    """
+    base = Path(root)
+    if clean:
+        _clean_quietly(base)
+    pointer = _read_pointer(base)
+    for candidate in _candidates(base):
+        info, reason = _checked(candidate, verify_checksums)
+        if info is None:
+            _log.warning("skipping checkpoint %s: %s", candidate.path, reason)
+            continue
+        if pointer is not None and pointer != info.name:
+            exists = (base / pointer).is_dir()
+            _log.log(
+                logging.INFO if exists else logging.WARNING,
+                "the %r pointer names %s%s; the newest valid checkpoint is %s",
+                LATEST_NAME,
+                pointer,
+                "" if exists else " (missing)",
+                info.name,
+            )
+        return info
+    return None
+
+
+# -- retention -----------------------------------------------------------------------
+
+
+def _is_pinned(folder: Path) -> bool:
+    return any(os.path.lexists(folder / marker) for marker in PIN_MARKERS)
+
+
+def _retire(folder: Path) -> None:
+    """Delete a checkpoint: first rename it out of sight, so a kill midway never leaves a
+    half-deleted folder under a checkpoint's name."""
+    token = os.urandom(4).hex()
+    hidden = folder.with_name(f".del-{folder.name}.{_writer_tag()}.{token}")
+    os.rename(folder, hidden)
+    _phase("retired", folder.name)
+    _remove(hidden)
+
+
+def prune(
+    root: PathLike,
+    keep_last: int,
+    *,
+    protect: Optional[Callable[[CheckpointInfo], bool]] = None,
+) -> list[Path]:
+    """Delete valid checkpoints older than the ``keep_last`` newest; returns what went.
+
+    Never deleted: the newest valid checkpoint (``keep_last`` is at least 1), one pinned
+    by a ``.uploading`` or ``.keep`` file inside it, one for which ``protect(info)`` is
+    true, and the folder the ``latest`` pointer names. Pinned folders do not count
+    towards ``keep_last``. Invalid folders are left alone: they may be another tool's,
+    and :func:`latest_valid` already reports them.
+    """
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    base = Path(root)
+    pointer = _read_pointer(base)
+    valid = [listing.info for listing in list_checkpoints(base) if listing.info is not None]
+    removed = []
+    for info in valid[keep_last:]:
+        if info.name == pointer or _is_pinned(info.path) or (protect and protect(info)):
+            _log.debug("keeping pinned checkpoint %s", info.path)
+            continue
+        _retire(info.path)
+        _log.info("pruned checkpoint %s (keep_last=%d)", info.path, keep_last)
+        removed.append(info.path)
+    return removed
+
+
+# -- the save ------------------------------------------------------------------------
+
+
+def _human(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def _check_name(name: str) -> str:
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith(".")
+        or name == LATEST_NAME
+        or "/" in name
+        or "\0" in name
+        or (os.altsep is not None and os.altsep in name)
+        or os.sep in name
+    ):
+        raise ValueError(f"not a usable checkpoint folder name: {name!r}")
+    return name
+
+
+class atomic_checkpoint:
+    """Context manager: write a checkpoint into a temporary folder, commit it atomically.
+
+    ``with atomic_checkpoint(root, step) as d:`` gives ``d``, a :class:`pathlib.Path`
+    to an empty hidden folder in ``root``; write anything into it. On a clean exit the
+    folder is fsynced, described by ``MANIFEST.json`` (written last), renamed to
+    ``root/name`` (default ``step_{step:08d}``; ``name=`` for layouts such as
+    ``global_step_{N}``), and ``latest`` is pointed at it. Re-saving an existing name
+    replaces it: the old folder is moved aside first and removed after, and restored by
+    the next call if a kill falls in between. On an exception the temporary folder is
+    removed and the exception propagates. Afterwards ``.info`` holds the committed
+    :class:`CheckpointInfo`.
+
+    ``metadata`` is free-form JSON stored in the manifest; it may be updated inside the
+    block (``ckpt.metadata["loss"] = ...``). ``checksum=True`` also records each file's
+    sha256 (one more read of every byte, done in the same pass as the fsync).
+    ``keep_last=N`` prunes after the commit (see :func:`prune`; ``protect`` is passed on).
+
+    Before anything is written, free disk is checked: the last valid checkpoint's size
+    plus ``free_margin`` (and at least ``min_free_bytes``) must be free, else
+    :class:`CheckpointError` names the folder, the bytes needed and free, so a save that
+    cannot fit fails in milliseconds instead of after minutes of writing.
+    ``disk_usage`` is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        step: int,
+        *,
+        name: Optional[str] = None,
+        metadata: Optional[dict[str, Any]] = None,
+        checksum: bool = False,
+        keep_last: Optional[int] = None,
+        protect: Optional[Callable[[CheckpointInfo], bool]] = None,
+        min_free_bytes: int = 0,
+        free_margin: float = 0.10,
+        disk_usage: Callable[[str], Any] = shutil.disk_usage,
+    ) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+        ):
+            raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
+        if not (math.isfinite(free_margin) and free_margin >= 0):
+            raise ValueError(f"free_margin must be >= 0, got {free_margin!r}")
+        self.root = Path(root)
+        self.step = step
+        self.name = _check_name(name if name is not None else f"step_{step:08d}")
+        self.path = self.root / self.name
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        self._metadata_json()  # fail before any writing, not after
+        self.checksum = checksum
+        self.keep_last = keep_last
+        self.protect = protect
+        self.min_free_bytes = min_free_bytes
+        self.free_margin = free_margin
+        self._disk_usage = disk_usage
+        self.info: Optional[CheckpointInfo] = None
+        self._temp: Optional[Path] = None
+        self._previous: Optional[CheckpointInfo] = None
+        self._tag = ""
+        self._token = ""
+
+    def _metadata_json(self) -> dict[str, Any]:
+        try:
+            copied: dict[str, Any] = json.loads(json.dumps(self.metadata, allow_nan=False))
+            return copied
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"checkpoint metadata must be JSON-serialisable: {exc}") from None
+
+    def __enter__(self) -> Path:
+        if self._temp is not None:
+            raise RuntimeError("an atomic_checkpoint can be entered only once")
+        self.root.mkdir(parents=True, exist_ok=True)
+        _clean_quietly(self.root)
+        self._previous = latest_valid(self.root, clean=False)
+        self._check_free_space()
+        self._tag = _writer_tag()
+        self._token = os.urandom(4).hex()
+        temp = self.root / f".tmp-{self.name}.{self._tag}.{self._token}"
+        temp.mkdir()
+        self._temp = temp
+        return temp
+
+    def _check_free_space(self) -> None:
+        needed = max(0, int(self.min_free_bytes))
+        basis = f"min_free_bytes={self.min_free_bytes}"
+        last = self._previous
+        if last is not None:
+            estimate = math.ceil(last.total_bytes * (1 + self.free_margin))
+            if estimate >= needed:
+                needed = estimate
+                basis = (
+                    f"the last valid checkpoint {last.name} holds {last.total_bytes} bytes, "
+                    f"plus {self.free_margin:.0%} margin"
+                )
+        if needed == 0:
+            return
+        try:
+            free = int(self._disk_usage(str(self.root)).free)
+        except OSError as exc:
+            _log.warning("could not check free disk on %s: %s", self.root, exc)
+            return
+        if free < needed:
+            raise CheckpointError(
+                f"not enough free disk to save checkpoint {self.path}: needs {needed} bytes "
+                f"({_human(needed)}; {basis}), only {free} bytes ({_human(free)}) free"
+            )
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> None:
+        temp = self._temp
+        assert temp is not None, "__exit__ without __enter__"
+        if exc_type is not None:
+            self._discard(temp)
+            return
+        try:
+            self.info = self._commit(temp)
+        except BaseException:
+            self._discard(temp)
+            raise
+
+    def _discard(self, temp: Path) -> None:
+        # Never mask the exception that got us here; a leftover is cleaned next time.
+        try:
+            _remove(temp)
+        except OSError as exc:
+            _log.warning("could not remove the unfinished %s: %s", temp, exc)
+
+    def _commit(self, temp: Path) -> CheckpointInfo:
+        _phase("user-done")
+        try:
+            entries = sync_tree(
+                temp, checksum=self.checksum, on_file=lambda rel: _phase("file-synced", rel)
+            )
+            _phase("tree-synced")
+            created = time.time()
+            manifest = render_manifest(
+                name=self.name,
+                step=self.step,
+                created_unix=created,
+                entries=entries,
+                metadata=self._metadata_json(),
+                checksum=self.checksum,
+            )
+            write_durably(temp / MANIFEST_NAME, manifest)
+            fsync_dir(temp)
+            _phase("manifest-written")
+            self._move_into_place(temp)
+        except OSError as exc:
+            raise CheckpointError(f"could not commit checkpoint {self.path}: {exc}") from exc
+        info = read_manifest(self.path)  # what a resume will see
+        if self._previous is None or self.step >= self._previous.step:
+            try:
+                replace_atomically(
+                    self.root / LATEST_NAME,
+                    f"{self.name}\n".encode(),
+                    temp_name=f".tmp-{LATEST_NAME}.{self._tag}.{self._token}",
+                )
+            except OSError as exc:  # the checkpoint is durable; the pointer is a hint
+                _log.warning(
+                    "checkpoint %s saved, but %r not updated: %s", self.path, LATEST_NAME, exc
+                )
+            _phase("pointer-updated")
+        if self.keep_last is not None:
+            try:
+                prune(self.root, self.keep_last, protect=self.protect)
+            except OSError as exc:
+                _log.warning("checkpoint %s saved, but pruning failed: %s", self.path, exc)
+            _phase("pruned")
+        return info
+
+    def _move_into_place(self, temp: Path) -> None:
+        aside = None
+        if os.path.lexists(self.path):
+            if _is_pinned(self.path):
+                _log.warning("replacing %s although it is pinned (being uploaded?)", self.path)
+            aside = self.root / f".old-{self.name}.{self._tag}.{self._token}"
+            os.rename(self.path, aside)
+            _phase("old-moved-aside")
+        try:
+            os.rename(temp, self.path)
+        except OSError:
+            if aside is not None:
+                os.rename(aside, self.path)
+            raise
+        _phase("renamed")
+        fsync_dir(self.root)
+        _phase("parent-synced")
+        if aside is not None:
+            try:
+                _remove(aside)
+            except OSError as exc:
+                _log.warning("could not remove the replaced %s: %s", aside, exc)
+            _phase("old-removed")
+
+
+# -- RNG -----------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The global RNG states of Python ``random``, NumPy, torch CPU and CUDA.
+
+    Plain Python values only (lists, ints, floats, strings), so the result survives
+    ``torch.load(weights_only=True)`` (torch's default), JSON and pickle alike. NumPy and
+    torch are included when the program has already imported them: a library never
+    imported has no RNG state worth saving, and importing torch here would cost seconds.
+    CUDA is included once CUDA is initialised (asking earlier would create a context on
+    every visible GPU). Generators you own (a DataLoader's ``torch.Generator``, a NumPy
+    ``Generator``) are yours to save.
+    """
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss_next]}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, key, pos, has_gauss, cached = numpy.random.get_state()
+        state["numpy"] = {
+            "bit_generator": str(name),
+            "key": [int(value) for value in key],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(cached),
+        }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        state["torch"] = torch.get_rng_state().tolist()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng_state` captured; parts this process cannot take
+    (NumPy not installed, no GPU now) are skipped with a warning rather than failing the
+    resume."""
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "numpy" in state:
+        try:
+            import numpy
+        except ImportError:
+            _log.warning("checkpoint holds a NumPy RNG state but NumPy is not installed")
+        else:
+            saved = state["numpy"]
+            numpy.random.set_state(
+                (
+                    saved["bit_generator"],
+                    numpy.asarray(saved["key"], dtype=numpy.uint32),
+                    saved["pos"],
+                    saved["has_gauss"],
+                    saved["gauss"],
+                )
+            )
+    if "torch" in state or "torch_cuda" in state:
+        try:
+            import torch
+        except ImportError:
+            _log.warning("checkpoint holds a torch RNG state but torch is not installed")
+            return
+        if "torch" in state:
+            torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        cuda_states = state.get("torch_cuda") or []
+        if cuda_states:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count != len(cuda_states):
+                _log.warning(
+                    "checkpoint holds CUDA RNG states for %d devices, this process sees %d; "
+                    "restoring the first %d",
+                    len(cuda_states),
+                    count,
+                    min(count, len(cuda_states)),
+                )
+            for index, values in enumerate(cuda_states[:count]):
+                torch.cuda.set_rng_state(torch.tensor(values, dtype=torch.uint8), index)
