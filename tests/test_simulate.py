@@ -1,0 +1,180 @@
+"""The simulator: our policy against moving deadlines, verl's rule, periodic saving, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import pytest
+
+from sidecar.policy import SavePolicy
+from sidecar.simulate import (
+    POLICIES,
+    WORKLOADS,
+    PolicyFactory,
+    Workload,
+    add_simulate_command,
+    run,
+    simulate_run,
+)
+from sidecar.simulate.policies import SidecarPolicy, VerlPolicy
+from sidecar.simulate.report import INFEASIBLE, render_table
+from sidecar.simulate.workloads import DeadlineChange
+
+REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]
+SEEDS = 50
+
+
+def test_sidecar_misses_no_feasible_deadline_on_reference_workloads() -> None:
+    results = run(REFERENCE, ["sidecar"], seeds=SEEDS)
+    assert {r.workload for r in results} == set(REFERENCE)
+    for result in results:
+        assert result.misses == 0, result
+        if result.feasible_runs:
+            assert result.lost_max_s == 0.0, result  # it saved, then stopped: nothing to redo
+    assert sum(r.feasible_runs for r in results) >= (len(REFERENCE) - 1) * SEEDS
+
+
+def test_sidecar_drives_the_real_save_policy() -> None:
+    agent = POLICIES["sidecar"].make()
+    assert isinstance(agent, SidecarPolicy)
+    assert type(agent.policy) is SavePolicy
+
+
+def test_verl_saves_again_and_again_inside_the_window_where_ours_saves_once() -> None:
+    steady = WORKLOADS["steady"]
+    for seed in range(20):
+        verl = simulate_run(steady, POLICIES["verl"], seed)
+        ours = simulate_run(steady, POLICIES["sidecar"], seed)
+        assert verl.window_saves >= 2, verl
+        assert ours.window_saves == 1 and ours.saves == 1, ours
+        assert ours.saving_s < verl.saving_s
+
+
+def test_worked_example_200_s_left_80_s_steps_60_s_save_120_s_margin_saves_now() -> None:
+    ours = SidecarPolicy(save_seconds=60.0, redundant_seconds=120.0)
+    ours.record_step(80.0)
+    assert ours.should_save(1000.0, 1200.0)
+    assert ours.last_decision is not None and ours.last_decision.budget_seconds == 260.0
+
+    verl = VerlPolicy(redundant_s=120.0)
+    verl.record_step(80.0)
+    assert not verl.should_save(1000.0, 1200.0)  # upstream: max_steps_duration is 0 on step 1
+    verl.should_stop(1000.0, 1200.0)
+    verl.record_step(80.0)
+    assert verl.should_save(1080.0, 1280.0)
+
+
+def test_worked_example_through_the_engine() -> None:
+    exact = Workload(
+        "worked-example",
+        "80 s steps, 60 s saves, release 200 s after step 10",
+        lambda rng: (DeadlineChange(0.0, 10 * 80.0 + 200.0),),
+        step_seconds=80.0,
+        step_jitter=0.0,
+        save_seconds=60.0,
+        save_jitter=0.0,
+    )
+    outcome = simulate_run(exact, POLICIES["sidecar"], seed=0)
+    # After step 9, 280 s > 260 s budget; after step 10, 200 s left: save, then stop.
+    assert (outcome.steps, outcome.saves, outcome.lost_s, outcome.missed) == (10, 1, 0.0, False)
+    assert outcome.idle_s == pytest.approx(140.0)
+
+
+def test_verl_never_saves_for_esi_when_save_freq_is_not_positive() -> None:
+    verl = VerlPolicy(redundant_s=120.0, save_freq=-1)
+    for step in range(5):
+        verl.record_step(20.0)
+        assert not verl.should_save(100.0 * step, 100.0 * step + 50.0)
+        verl.should_stop(100.0 * step, None)
+    assert verl.close_to_expiration(0.0, 50.0)  # inside the window: only the gate said no
+
+
+def test_periodic_30_loses_up_to_its_interval_on_steady_work() -> None:
+    steady = WORKLOADS["steady"]
+    (result,) = run([steady], ["periodic-30"], seeds=100)
+    assert result.lost_max_s <= 30 * 60 + steady.step_max_s + steady.save_max_s
+    assert result.lost_max_s > 25 * 60
+    assert 10 * 60 < result.lost_mean_s < 20 * 60
+    assert result.misses > result.runs // 2  # its last save is rarely in the final window
+
+
+def test_short_lead_notice_is_infeasible_and_not_a_policy_miss() -> None:
+    results = run(["spot-notice-30s"], ["sidecar", "verl"], seeds=20)
+    for result in results:
+        assert result.feasible_runs == 0
+        assert result.misses == 0
+        assert result.infeasible_misses == result.runs
+    assert INFEASIBLE == "lead time < step + save"
+    assert INFEASIBLE in render_table(results)
+    (feasible,) = run(["spot-notice-120s"], ["sidecar"], seeds=20)
+    assert feasible.feasible_runs == feasible.runs and feasible.misses == 0
+
+
+def test_stress_workloads_have_the_documented_remedies() -> None:
+    # A save never measured is assumed to take 60 s: periodic saves inside the guard teach
+    # the policy the real time. A spike rarer than the window: a longer window keeps it.
+    (slow,) = run(["very-slow-saves"], ["sidecar+periodic-30"], seeds=30)
+    assert slow.misses == 0
+    long_window = PolicyFactory("sidecar-w1000", "window of 1000 steps",
+                                lambda: SidecarPolicy(window=1000))
+    (rare,) = run(["rare-validation"], [long_window], seeds=SEEDS)
+    assert rare.misses == 0
+
+
+def test_same_seed_same_results() -> None:
+    first = run(["stragglers", "extended-then-back"], ["verl", "sidecar"], seeds=10, seed0=7)
+    again = run(["stragglers", "extended-then-back"], ["verl", "sidecar"], seeds=10, seed0=7)
+    other = run(["stragglers", "extended-then-back"], ["verl", "sidecar"], seeds=10, seed0=8)
+    assert first == again
+    assert first != other
+
+
+def _cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="esi-sidecar")
+    add_simulate_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["simulate", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_cli_writes_markdown_csv_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _cli("--seeds", "3", "--workload", "steady", "--workload", "spot-notice-30s",
+                "--policy", "sidecar", "--policy", "verl", "--out", str(tmp_path))
+    assert code == 0
+    doc = (tmp_path / "simulation.md").read_text()
+    assert "![" in doc and "(simulation.png)" in doc and "| steady | sidecar |" in doc
+    assert (tmp_path / "simulation.png").read_bytes().startswith(b"\x89PNG")
+    with (tmp_path / "simulation.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(row["workload"], row["policy"]) for row in rows} == {
+        ("steady", "sidecar"), ("steady", "verl"),
+        ("spot-notice-30s", "sidecar"), ("spot-notice-30s", "verl"),
+    }
+    assert capsys.readouterr().err == ""  # no progress line when stderr is not a terminal
+
+
+def test_cli_no_plot_and_stdout_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli("--seeds", "2", "--workload", "steady", "--out", str(tmp_path), "--no-plot") == 0
+    assert not (tmp_path / "simulation.png").exists()
+    assert "simulation.png" not in (tmp_path / "simulation.md").read_text()
+    capsys.readouterr()
+    assert _cli("--seeds", "2", "--workload", "steady", "--policy", "periodic-15") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| workload | policy |") and "| steady | periodic-15 |" in out
+
+
+def test_cli_list_names_every_workload_and_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli("--list") == 0
+    out = capsys.readouterr().out
+    for name in [*WORKLOADS, *POLICIES]:
+        assert f"  {name} " in out
+
+
+def test_cli_rejects_unknown_names() -> None:
+    with pytest.raises(SystemExit) as exc:
+        _cli("--workload", "nope")
+    assert exc.value.code == 2
