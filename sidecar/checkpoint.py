@@ -475,11 +475,13 @@ def prune(
 
 
 def _human(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(count) < 1024:
+        return f"{int(count)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
         if abs(count) < 1024:
             return f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TiB"
+    return f"{count / 1024:.1f} TiB"
 
 
 def _check_name(name: str) -> str:
