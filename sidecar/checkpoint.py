@@ -38,6 +38,7 @@ grad scaler; and the configuration that produced the run (as a file in the folde
 ``metadata``)::
 
     import torch
+    from sidecar import CheckpointGuard
     from sidecar.checkpoint import (
         atomic_checkpoint, capture_rng_state, latest_valid, restore_rng_state)
 
@@ -53,10 +54,12 @@ grad scaler; and the configuration that produced the run (as a file in the folde
         restore_rng_state(state["rng"])
         start_step = state["step"] + 1              # and skip state["batches_seen"] batches
 
+    guard = CheckpointGuard()                       # from sidecar: asks the daemon when
     for step in range(start_step, total_steps):
-        ...
-        if guard.should_save(step):                 # sidecar.client decides when
-            with atomic_checkpoint(root, step, keep_last=3, metadata={"loss": loss}) as d:
+        with guard.step():
+            ...                                     # one training step
+        if guard.should_save():
+            with guard.saving(), atomic_checkpoint(root, step, keep_last=3) as d:
                 torch.save({"model": model.state_dict(),
                             "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(),
@@ -64,6 +67,8 @@ grad scaler; and the configuration that produced the run (as a file in the folde
                             "rng": capture_rng_state(),
                             "step": step, "batches_seen": batches_seen}, d / "state.pt")
                 (d / "config.json").write_text(config_json)
+        if guard.should_stop():                     # the final save is done
+            break
 
 One writer per checkpoint: with ``torch.distributed`` checkpointing, the ranks must agree
 on the one temporary folder and only one of them may commit; that coordination belongs
@@ -85,6 +90,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional, Union
@@ -656,7 +662,14 @@ class atomic_checkpoint:
             self._move_into_place(temp)
         except OSError as exc:
             raise CheckpointError(f"could not commit checkpoint {self.path}: {exc}") from exc
-        info = read_manifest(self.path)  # what a resume will see
+        info = CheckpointInfo(
+            path=self.path,
+            step=self.step,
+            created_at=datetime.fromtimestamp(created, timezone.utc),
+            total_bytes=sum(entry.size for entry in entries),
+            metadata=json.loads(manifest)["metadata"],
+            files=tuple(entries),
+        )
         if self._previous is None or self.step >= self._previous.step:
             try:
                 replace_atomically(
@@ -687,7 +700,7 @@ class atomic_checkpoint:
             _phase("old-moved-aside")
         try:
             os.rename(temp, self.path)
-        except OSError:
+        except BaseException:  # an interrupt too: never leave neither name in place
             if aside is not None:
                 os.rename(aside, self.path)
             raise
