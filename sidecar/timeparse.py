@@ -33,6 +33,9 @@ __all__ = [
 # nanoseconds) are rejected rather than guessed.
 _MILLIS_FROM = 1e11
 _MAX_MILLIS = 1e14
+# A deadline before 2000 is not a deadline: "12" or "1970-01-01T00:00:00Z" mean a field
+# that was never set, and taking them literally would read as "released long ago".
+EARLIEST = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
 _ISO = re.compile(
     r"""^\s*
@@ -75,6 +78,8 @@ def parse_unix(number: float, *, original: object = None) -> datetime:
         raise TimestampError(f"not a timestamp: {shown}")
     if number <= 0:
         raise TimestampError(f"not a timestamp (zero or negative Unix time): {shown}")
+    if number < EARLIEST.timestamp():
+        raise TimestampError(f"not a plausible deadline: {shown} is before the year 2000")
     if number >= _MAX_MILLIS:
         raise TimestampError(
             f"not a timestamp: {shown} is too large for Unix seconds or milliseconds"
@@ -137,10 +142,13 @@ def parse_timestamp(
         )
     except ValueError as exc:
         raise TimestampError(f"not a valid date-time: {_describe(value)} ({exc})") from None
-    if zone is not None:
-        return ParsedTime(local.replace(tzinfo=zone).astimezone(timezone.utc))
-    aware = local.replace(tzinfo=naive_timezone)
-    return ParsedTime(aware.astimezone(timezone.utc), assumed_timezone=_zone_name(naive_timezone))
+    assumed = None
+    if zone is None:
+        zone, assumed = naive_timezone, _zone_name(naive_timezone)
+    when = local.replace(tzinfo=zone).astimezone(timezone.utc)
+    if when < EARLIEST:
+        raise TimestampError(f"not a plausible deadline: {_describe(value)} is before the year 2000")
+    return ParsedTime(when, assumed_timezone=assumed)
 
 
 def format_rfc3339(when: Union[datetime, float]) -> str:

@@ -72,6 +72,9 @@ def test_naive_timestamp_read_in_configured_zone_and_reported() -> None:
         (True, "True"),
         (None, "None"),
         ("12:00", "'12:00'"),
+        ("12", "before the year 2000"),
+        (946684799, "before the year 2000"),
+        ("1970-01-01T00:00:00Z", "before the year 2000"),
     ],
 )
 def test_bad_values_raise_an_error_naming_the_value(value: object, fragment: str) -> None:
