@@ -130,7 +130,7 @@ def parse_timestamp(
     parts = match.groupdict()
     fraction = (parts["fraction"] or "0")[:6].ljust(6, "0")
     try:
-        zone = _zone_offset(parts["zone"]) if parts["zone"] else None
+        zone: Optional[tzinfo] = _zone_offset(parts["zone"]) if parts["zone"] else None
         local = datetime(
             int(parts["year"]),
             int(parts["month"]),
@@ -147,7 +147,8 @@ def parse_timestamp(
         zone, assumed = naive_timezone, _zone_name(naive_timezone)
     when = local.replace(tzinfo=zone).astimezone(timezone.utc)
     if when < EARLIEST:
-        raise TimestampError(f"not a plausible deadline: {_describe(value)} is before the year 2000")
+        shown = _describe(value)
+        raise TimestampError(f"not a plausible deadline: {shown} is before the year 2000")
     return ParsedTime(when, assumed_timezone=assumed)
 
 
