@@ -382,14 +382,17 @@ def test_old_python_and_missing_venv_module_exit_2(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv(1) to run install.sh as another user")
-def test_refuses_to_install_without_root() -> None:
-    result = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-         "bash", str(INSTALL_SH)],
-        capture_output=True, text=True, timeout=60, env=clean_environ(),
-    )
+def test_refuses_to_install_without_root_but_stages_with_root_dir() -> None:
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 "bash", str(INSTALL_SH)]
+    result = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60,
+                            env=clean_environ())
     assert result.returncode == 2
     assert "run as root" in result.stderr and "--root DIR" in result.stderr
+    # With a staging root the root check passes; the next check (the interpreter) speaks.
+    staged = subprocess.run([*as_nobody, "--root", "/tmp", "--python", "/nonexistent/python3"],
+                            capture_output=True, text=True, timeout=60, env=clean_environ())
+    assert staged.returncode == 2 and "no Python interpreter" in staged.stderr
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
