@@ -1,0 +1,19 @@
+"""Framework integrations for the training side; each imports its framework lazily.
+
+- :mod:`sidecar.integrations.distributed`: ``TorchReducer`` (the ``Reducer`` for
+  ``torch.distributed``), ``reducer_if_distributed()`` and ``distributed_guard()``, so that
+  every rank saves at the same step.
+- :mod:`sidecar.integrations.verl`: ``should_save_ckpt_esi`` with verl's signature, asking
+  the daemon first; ``install()`` puts it in place of verl's own.
+- :mod:`sidecar.integrations.transformers`: ``EsiCheckpointCallback`` for the Hugging Face
+  ``Trainer``.
+- :mod:`sidecar.integrations.lightning`: ``EsiCheckpointCallback`` for ``lightning.Trainer``.
+
+Nothing here is imported by ``import sidecar``: this package must import in an image
+holding only the base install, and importing one integration never imports another
+framework (ARCHITECTURE.md, "Dependency direction"). See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

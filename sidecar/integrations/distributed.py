@@ -1,0 +1,121 @@
+"""``torch.distributed`` support: every rank decides alike, so every rank saves together.
+
+Why: a checkpoint of a data- or model-parallel job is collective (DDP, FSDP, DeepSpeed all
+gather or barrier inside the save). Each node asks its own daemon and measures its own
+steps, so without agreement one rank may decide to save a step before the others; it
+then waits inside the save's collective while the others wait inside the next step's:
+the job hangs until the process-group timeout, right before the machine is released.
+
+:class:`TorchReducer` implements :class:`sidecar.client.Reducer` with ONE ``all_reduce``
+per decision (float64, four numbers: MIN of the remaining time, MAX of step, save and
+cover, the MAX ones negated so a single MIN serves all four).
+
+    from sidecar.integrations.distributed import distributed_guard
+    guard = distributed_guard()   # a TorchReducer when torch.distributed is initialised
+
+torch is imported inside the functions: ``import sidecar.integrations.distributed`` works
+in an image without torch, and :func:`reducer_if_distributed` then answers None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sidecar.client import CheckpointGuard, Reducer
+
+__all__ = ["TorchReducer", "distributed_guard", "reducer_if_distributed"]
+
+# Backends whose collectives take CPU tensors. "cpu:gloo,cuda:nccl" style strings name a
+# CPU backend too and are handled by the "cpu:" test below.
+_CPU_BACKENDS = ("gloo", "mpi", "ucc")
+
+
+class TorchReducer:
+    """The :class:`~sidecar.client.Reducer` for ``torch.distributed``.
+
+    - ``group``: the process group whose ranks must agree (default: the world).
+    - ``device``: where the four numbers travel. Default: chosen from the group's backend
+      on each call: CPU for gloo/mpi/ucc (or a mixed "cpu:gloo,cuda:nccl" backend), the
+      current CUDA device for nccl (NCCL only reduces device tensors), the current
+      accelerator for other device backends.
+
+    Collective: call it on every rank of ``group`` the same number of times. Errors from
+    ``all_reduce`` (a timeout, a dead peer) propagate: pretending to agree would hang or
+    split the job later.
+    """
+
+    def __init__(self, group: Any = None, device: Any = None) -> None:
+        self.group = group
+        self.device = device
+
+    def _device(self) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        if self.device is not None:
+            return torch.device(self.device)
+        backend = str(dist.get_backend(self.group)).lower()
+        if backend in _CPU_BACKENDS or "cpu:" in backend:
+            return torch.device("cpu")
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and accelerator.is_available():
+            kind = accelerator.current_accelerator()
+            return torch.device(kind.type, accelerator.current_device_index())
+        return torch.device("cpu")
+
+    def __call__(
+        self,
+        remaining_seconds: float,
+        step_seconds: float,
+        save_seconds: float,
+        covered_seconds: float,
+    ) -> tuple[float, float, float, float]:
+        import torch
+        import torch.distributed as dist
+
+        # Negating the MAX-reduced values lets one MIN reduction do all four. The
+        # sentinels survive: -(-1) stays the largest "unknown" step/save, and
+        # -(-inf) = +inf under MIN loses to any rank that made a save.
+        values = torch.tensor(
+            [remaining_seconds, -step_seconds, -save_seconds, -covered_seconds],
+            dtype=torch.float64,
+            device=self._device(),
+        )
+        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
+        remaining, step, save, covered = (float(x) for x in values.tolist())
+        return remaining, -step, -save, -covered
+
+    def __repr__(self) -> str:
+        return f"TorchReducer(group={self.group!r}, device={self.device!r})"
+
+
+def reducer_if_distributed(group: Any = None) -> Optional[TorchReducer]:
+    """A :class:`TorchReducer` when ``torch.distributed`` is initialised, else None.
+
+    None also when torch is not installed, so a single-process script and a launcher-run
+    job can share one line: ``CheckpointGuard(reducer=reducer_if_distributed())``. Call it
+    after ``init_process_group`` (HF's ``TrainingArguments`` and Lightning's strategies do
+    that before training starts).
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return TorchReducer(group=group)
+
+
+def distributed_guard(
+    *, reducer: Optional[Reducer] = None, group: Any = None, **guard_options: Any
+) -> CheckpointGuard:
+    """A :class:`~sidecar.client.CheckpointGuard` that agrees across ranks when distributed.
+
+    ``guard_options`` go to ``CheckpointGuard`` (``client``, ``policy``, ``clock``, ...).
+    ``reducer`` defaults to :func:`reducer_if_distributed` for ``group``.
+    """
+    if reducer is None:
+        reducer = reducer_if_distributed(group)
+    return CheckpointGuard(reducer=reducer, **guard_options)

@@ -1,0 +1,128 @@
+"""Hugging Face ``Trainer`` callback: save before the machine is released, then stop.
+
+    from sidecar.integrations.transformers import EsiCheckpointCallback
+    trainer = Trainer(..., callbacks=[EsiCheckpointCallback()])
+
+How it maps onto the Trainer's events:
+
+- ``on_step_end`` is the decision point (after the optimizer step, before the Trainer's
+  own log/evaluate/save). It records the time since the previous decision point (data
+  loading, the step, logging and evaluation all delay the next chance to save, so all
+  count), asks ``guard.should_save()`` and, when true, sets ``control.should_save``: the
+  Trainer then writes ``checkpoint-<step>`` through its own ``_save_checkpoint`` (model,
+  optimizer, scheduler, RNG, trainer state), so resuming works as usual.
+- ``on_save`` fires after that save on every process. The time since ``on_step_end`` is
+  recorded as the save's duration; any save counts, also the Trainer's periodic ones,
+  since each of them covers a near deadline just as well. When ``stop_after_save`` and
+  the guard says no further step plus save fits (``should_stop()``), it sets
+  ``control.should_training_stop``.
+
+In multi-process training every process runs the callbacks. The default guard gets a
+:class:`~sidecar.integrations.distributed.TorchReducer` when ``torch.distributed`` is
+initialised, so all ranks decide alike (the Trainer's save is collective). A guard you
+pass yourself should be built with ``distributed_guard()`` for the same reason.
+
+transformers is imported when ``EsiCheckpointCallback`` is first looked up (the class
+derives from ``TrainerCallback``), not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from sidecar.client import CheckpointGuard
+from sidecar.integrations.distributed import distributed_guard
+
+__all__ = ["EsiCheckpointCallback"]
+
+if TYPE_CHECKING:
+    EsiCheckpointCallback: Any
+
+
+class _EsiCallbackLogic:
+    """The callback's behaviour, free of transformers so that the class can be built lazily."""
+
+    def __init__(
+        self,
+        guard: Optional[CheckpointGuard] = None,
+        stop_after_save: bool = True,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.guard = guard
+        self.stop_after_save = stop_after_save
+        self._monotonic = monotonic
+        self._since: Optional[float] = None  # monotonic start of the step being timed
+        self._decided_at: Optional[float] = None  # monotonic, at the step end
+        self.saves_requested = 0
+        self.saves_recorded = 0
+        self.stopped = False
+
+    def _guard(self) -> CheckpointGuard:
+        if self.guard is None:
+            # Built at first use, not in __init__: torch.distributed is initialised by
+            # then (TrainingArguments sets it up), so the reducer is chosen correctly.
+            self.guard = distributed_guard()
+        return self.guard
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._guard()
+        self._since = None
+        self._decided_at = None
+        return control
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._since is None:
+            self._since = self._monotonic()
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        guard = self._guard()
+        now = self._monotonic()
+        if self._since is not None:
+            guard.record_step(max(0.0, now - self._since))
+        self._since = now
+        self._decided_at = now
+        if guard.should_save():  # collective with a reducer: every rank calls it here
+            control.should_save = True
+            self.saves_requested += 1
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        guard = self._guard()
+        now = self._monotonic()
+        if self._decided_at is not None:
+            # The guard dates the save's start on its own wall clock (now - seconds).
+            guard.record_save(max(0.0, now - self._decided_at))
+            self.saves_recorded += 1
+        self._decided_at = None
+        self._since = now  # the save is not part of the next step
+        if self.stop_after_save and guard.should_stop():
+            control.should_training_stop = True
+            self.stopped = True
+        return control
+
+
+@functools.cache
+def _callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class EsiCheckpointCallback(_EsiCallbackLogic, TrainerCallback):
+        """``TrainerCallback`` that saves once before the release and then stops.
+
+        ``EsiCheckpointCallback(guard=None, stop_after_save=True)``: ``guard`` defaults to
+        ``distributed_guard()`` built at the start of training. ``saves_requested``,
+        ``saves_recorded`` and ``stopped`` say what it did.
+        """
+
+    EsiCheckpointCallback.__module__ = __name__
+    EsiCheckpointCallback.__qualname__ = "EsiCheckpointCallback"
+    return EsiCheckpointCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EsiCheckpointCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

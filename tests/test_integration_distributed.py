@@ -1,0 +1,225 @@
+"""torch.distributed: every rank saves at the same step, once, and nobody hangs.
+
+Real gloo process groups of 2 and 4 processes (tests/distributed_worker.py), each rank
+asking its OWN real daemon on loopback: rank 0's daemon knows a release 100 simulated
+seconds ahead, rank 1's knows none, the others' a release far away. Each rank reports a
+different step duration (rank 1 the slowest). With the TorchReducer, the MIN deadline and
+the MAX step decide for everyone: all ranks enter the collective save at step 7. A
+rank-local guard running alongside would have saved on rank 0 only, and at step 8: the
+decisions the reducer has to reconcile differ, so this test can fail.
+
+Numbers: step k sets the simulated clock to base + 10 k; save 5 s, redundant 5 s (policy).
+Reduced: budget = 20 + 5 + 5 = 30, remaining = 100 - 10 k <= 30 first at k = 7.
+Rank 0 alone: budget = 10 + 5 + 5 = 20, so k = 8; the other ranks alone: never.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+pytest.importorskip("torch")
+
+import torch.distributed as dist
+
+from sidecar.integrations.distributed import (
+    TorchReducer,
+    distributed_guard,
+    reducer_if_distributed,
+)
+
+pytestmark = pytest.mark.frameworks
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+STEP_SECONDS = [10.0, 20.0, 5.0, 15.0]  # per rank; rank 1 is the slowest
+RELEASE_AFTER = 100  # simulated seconds after base, on rank 0's daemon only
+EXPECTED_SAVE_STEP = 7
+RANK0_ALONE_SAVE_STEP = 8
+STEPS = 12
+DEADLINE_VARIABLES = (
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+)
+
+
+def start_daemons(stack: ExitStack, world_size: int, base_unix: float) -> list[str]:
+    urls = []
+    for rank in range(world_size):
+        if rank == 0:
+            options: dict[str, Any] = {
+                "sources": ("static",),
+                "expires_at": str(int(base_unix) + RELEASE_AFTER),
+            }
+        elif rank == 1:
+            options = {"sources": ("env",)}  # no variable set: no deadline known
+        else:
+            options = {"sources": ("static",), "expires_at": str(int(base_unix) + 10**6)}
+        daemon = stack.enter_context(serve_daemon(**options))
+        wait_for(lambda d=daemon: d.store.health().ok)
+        urls.append(daemon.url)
+    return urls
+
+
+def run_ranks(
+    tmp_path: Path,
+    urls: list[str],
+    *,
+    base_unix: float,
+    reduce: bool = True,
+    group_timeout: float = 20,
+    limit: float = 90,
+) -> list[tuple[int, Any, str]]:
+    """Start one process per rank; (exit code, result or None, stderr) per rank.
+
+    Fails the test if any rank is still running after ``limit`` seconds (a hang).
+    """
+    world_size = len(urls)
+    env = {k: v for k, v in os.environ.items() if k not in DEADLINE_VARIABLES}
+    env.pop("ESI_SIDECAR_URL", None)
+    env["OMP_NUM_THREADS"] = "1"
+    init_file = tmp_path / f"init-{world_size}-{reduce}"
+    processes = []
+    for rank, url in enumerate(urls):
+        result_path = tmp_path / f"result-{rank}.json"
+        config: dict[str, Any] = {
+            "rank": rank,
+            "world_size": world_size,
+            "init_method": init_file.as_uri(),
+            "group_timeout": group_timeout,
+            "url": url,
+            "reduce": reduce,
+            "base_unix": float(int(base_unix)),
+            "wall_seconds_per_step": 10.0,
+            "step_seconds": STEP_SECONDS[rank],
+            "steps": STEPS,
+            "checkpoint": str(tmp_path / "model.pt"),
+            "result": str(result_path),
+        }
+        stderr = open(tmp_path / f"stderr-{rank}.txt", "w+")  # noqa: SIM115 (closed below)
+        processes.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), json.dumps(config)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                ),
+                stderr,
+                result_path,
+            )
+        )
+    deadline = time.monotonic() + limit
+    hung = False
+    for process, _stderr, _result in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+    outcomes = []
+    for process, stderr, result in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        stderr.seek(0)
+        text = stderr.read()
+        stderr.close()
+        body = json.loads(result.read_text()) if result.exists() else None
+        outcomes.append((process.returncode, body, text))
+    if hung:
+        tails = [stderr[-500:] for _code, _body, stderr in outcomes]
+        pytest.fail(f"ranks still running after {limit} s (hang): {tails}")
+    return outcomes
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -> None:
+    base_unix = time.time()
+    with ExitStack() as stack:
+        urls = start_daemons(stack, world_size, base_unix)
+        started = time.monotonic()
+        outcomes = run_ranks(tmp_path, urls, base_unix=base_unix)
+        elapsed = time.monotonic() - started
+
+    for code, _body, stderr in outcomes:
+        assert code == 0, stderr[-2000:]
+    results = [body for _code, body, _stderr in outcomes]
+    assert all(r["distributed"] for r in results)
+
+    # The reducer alone: MIN remaining (rank 1's "unknown" +inf loses), MAX step (rank 0's
+    # "unknown" -1 loses), save unknown everywhere stays -1, one rank's cover wins.
+    for r in results:
+        assert r["probe"] == [100.0, float(world_size - 1), -1.0, 7.0]
+
+    # Every rank saved exactly once, at the same step, and all ranks were inside the
+    # collective save together (the token summed to the world size).
+    for r in results:
+        assert r["saves"] == [EXPECTED_SAVE_STEP], r
+        assert r["save_tokens"] == [float(world_size)]
+        assert r["stop_steps"][0] == EXPECTED_SAVE_STEP
+    assert len({tuple(r["stop_steps"]) for r in results}) == 1
+    assert (tmp_path / "model.pt").exists()
+    assert len({tuple(r["weight"]) for r in results}) == 1  # DDP kept replicas identical
+
+    # Without the reducer the ranks disagree: rank 0 alone would save a step later (it
+    # does not know rank 1's slower steps), every other rank never.
+    local = [r["shadow_saves"] for r in results]
+    assert local[0] == [RANK0_ALONE_SAVE_STEP]
+    assert all(saves == [] for saves in local[1:])
+    assert elapsed < 60
+
+
+def test_without_the_reducer_the_collective_save_fails(tmp_path: Path) -> None:
+    """The broken setup, run for real: rank 0 enters the save alone and it does not end well.
+
+    Rank 0 decides to save at step 8, rank 1 never: rank 0's save all_reduce meets rank
+    1's next DDP gradient all_reduce, or nothing. Whatever gloo makes of it (an error, a
+    wait until the group's 5 s timeout, mismatched data), the ranks do not end with one
+    save each at the same step.
+    """
+    base_unix = time.time()
+    with ExitStack() as stack:
+        urls = start_daemons(stack, 2, base_unix)
+        outcomes = run_ranks(tmp_path, urls, base_unix=base_unix, reduce=False, group_timeout=5)
+    results = [body for code, body, _stderr in outcomes if code == 0 and body is not None]
+    agreed = len(results) == 2 and all(
+        r["saves"] == results[0]["saves"] and len(r["saves"]) == 1 for r in results
+    )
+    assert not agreed, outcomes
+
+
+def test_reducer_in_one_process_group(tmp_path: Path) -> None:
+    """In-process, world size 1: the helper picks the reducer only once the group exists."""
+    assert reducer_if_distributed() is None
+    assert distributed_guard(client=None)._reducer is None
+    dist.init_process_group(
+        "gloo",
+        init_method=(tmp_path / "init-single").as_uri(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=10),
+    )
+    try:
+        reducer = reducer_if_distributed()
+        assert isinstance(reducer, TorchReducer)
+        assert reducer(float("inf"), -1.0, -1.0, float("-inf")) == (
+            float("inf"),
+            -1.0,
+            -1.0,
+            float("-inf"),
+        )
+        large = 4.0e9 + 0.25  # float64: a Unix-scale number survives exactly
+        assert reducer(large, 3.5, 61.0, -2.0) == (large, 3.5, 61.0, -2.0)
+        assert isinstance(distributed_guard()._reducer, TorchReducer)
+    finally:
+        dist.destroy_process_group()
+    assert reducer_if_distributed() is None

@@ -1,0 +1,162 @@
+"""A real Hugging Face Trainer (tiny GPT-2 from a config, CPU) with EsiCheckpointCallback.
+
+The daemon knows a release 950 simulated seconds ahead; the guard's wall clock advances
+100 s per optimizer step (real step durations are milliseconds). With save 30 s and
+redundant 40 s, the budget is about 70 s: remaining = 950 - 100 k <= 70 first at k = 9.
+The Trainer's own saving is off (save_strategy="no"), so checkpoint-9 can only be ours.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.policy import SavePolicy
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch
+import transformers
+
+pytestmark = pytest.mark.frameworks
+
+RELEASE_AFTER = 950
+WALL_SECONDS_PER_STEP = 100
+EXPECTED_SAVE_STEP = 9
+MAX_STEPS = 20
+
+
+class TinyDataset(torch.utils.data.Dataset[dict[str, Any]]):
+    def __init__(self, size: int = 64, length: int = 8) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, 64, (size, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def train(tmp_path: Path, url: str, base_unix: float, stop_after_save: bool) -> tuple[Any, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from sidecar.integrations.transformers import EsiCheckpointCallback
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
+    )
+    holder: dict[str, Any] = {}
+
+    def clock() -> float:  # simulated wall time: 100 s per completed optimizer step
+        trainer = holder.get("trainer")
+        step = 0 if trainer is None else trainer.state.global_step
+        return base_unix + WALL_SECONDS_PER_STEP * step
+
+    guard = CheckpointGuard(
+        client=SidecarClient(url),
+        policy=SavePolicy(save_seconds=30, redundant_seconds=40),
+        clock=clock,
+    )
+    callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(), callbacks=[callback])
+    holder["trainer"] = trainer
+    trainer.train()
+    return trainer, callback
+
+
+@pytest.fixture
+def daemon_url() -> Any:
+    base_unix = float(int(time.time()))
+    with serve_daemon(sources=("static",), expires_at=str(int(base_unix) + RELEASE_AFTER)) as d:
+        wait_for(lambda: d.store.health().ok)
+        yield d.url, base_unix
+
+
+def test_saves_once_then_stops(tmp_path: Path, daemon_url: tuple[str, float]) -> None:
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=True)
+
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{EXPECTED_SAVE_STEP}"]
+    checkpoint = out / f"checkpoint-{EXPECTED_SAVE_STEP}"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == EXPECTED_SAVE_STEP
+    assert any(p.name.startswith("model") for p in checkpoint.iterdir())
+    assert (checkpoint / "optimizer.pt").exists()
+
+    assert trainer.state.global_step == EXPECTED_SAVE_STEP  # stopped right after the save
+    assert callback.saves_requested == 1 and callback.saves_recorded == 1
+    assert callback.stopped is True
+    assert callback.guard.policy.measured_save_estimate() is not None  # the save was timed
+
+
+def test_without_stop_trains_on_and_still_saves_once(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    """Once per deadline: verl's seed rule would save again at every later step."""
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=False)
+
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{EXPECTED_SAVE_STEP}"]
+    assert trainer.state.global_step == MAX_STEPS
+    assert callback.saves_requested == 1
+    assert callback.stopped is False
+
+
+def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float]) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    url, base_unix = daemon_url
+    train(tmp_path, url, base_unix, stop_after_save=True)
+    checkpoint = tmp_path / "out" / f"checkpoint-{EXPECTED_SAVE_STEP}"
+
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16)
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "resumed"),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        max_steps=EXPECTED_SAVE_STEP + 2,
+        per_device_train_batch_size=2,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == EXPECTED_SAVE_STEP + 2
+
+
+def test_importing_the_module_does_not_import_transformers_classes() -> None:
+    import sidecar.integrations.transformers as module
+
+    cls = module.EsiCheckpointCallback
+    assert issubclass(cls, transformers.TrainerCallback)
+    assert cls is module.EsiCheckpointCallback  # built once
+    assert cls.__module__ == "sidecar.integrations.transformers"
+    with pytest.raises(AttributeError):
+        _ = module.NoSuchThing

@@ -1,0 +1,250 @@
+"""The verl drop-in: verl's signature and rule, the daemon first, env second, never stalls.
+
+verl is not installed here (it pulls in ray, vllm, ...). Its function is mirrored by
+signature; ``install()`` is tested against a stand-in package shaped like verl's two
+modules (checkpoint_manager defines the function, ray_trainer imports it by name), which
+is exactly what the patching depends on.
+"""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+from sidecar.integrations import verl as esi_verl
+from sidecar.integrations.verl import configure, should_save_ckpt_esi
+
+MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there any more
+
+
+@pytest.fixture(autouse=True)
+def _fresh_module_state() -> Iterator[None]:
+    yield
+    esi_verl.uninstall()
+    with esi_verl._cache_lock:
+        esi_verl._cache = None
+
+
+def test_signature_matches_verl() -> None:
+    # verl/utils/checkpoint/checkpoint_manager.py:
+    # def should_save_ckpt_esi(max_steps_duration: float, save_ckpt_duration: float = 60,
+    #                          redundant_time: float = 0) -> bool
+    signature = inspect.signature(should_save_ckpt_esi)
+    assert [(p.name, p.default, p.kind) for p in signature.parameters.values()] == [
+        ("max_steps_duration", inspect.Parameter.empty, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("save_ckpt_duration", 60, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("redundant_time", 0, inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ]
+    assert signature.return_annotation in (bool, "bool")
+
+
+def test_daemon_deadline_comes_first() -> None:
+    now = time.time()
+    environ = {MLP: str(int(now + 10**6))}  # the environment says: far away
+    with serve_daemon(sources=("static",), expires_at=str(int(now + 100))) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        configure(daemon.url, environ=environ)
+        # As ray_trainer calls it: remaining ~100 s.
+        assert should_save_ckpt_esi(max_steps_duration=10, redundant_time=40) is True  # 110
+        assert should_save_ckpt_esi(max_steps_duration=10, redundant_time=0) is False  # 70
+        assert should_save_ckpt_esi(10, 20, 0) is False
+        assert should_save_ckpt_esi(50, 60, 0) is True
+        # verl answers False until it has measured a step.
+        assert should_save_ckpt_esi(max_steps_duration=0, redundant_time=10**6) is False
+
+
+def test_daemon_without_deadline_falls_back_to_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MLP, raising=False)
+    monkeypatch.delenv(SAGEMAKER, raising=False)
+    with serve_daemon(sources=("env",)) as daemon:  # the daemon itself knows no deadline
+        wait_for(lambda: daemon.store.health().ok)
+        configure(daemon.url, environ={MLP: str(int(time.time() + 50))})
+        assert should_save_ckpt_esi(10, 60, 0) is True
+        assert should_save_ckpt_esi(10, 20, 0) is False
+        configure(daemon.url, environ={})
+        assert should_save_ckpt_esi(10, 60, 10**6) is False  # no deadline anywhere
+
+
+@pytest.mark.parametrize(
+    ("variable", "scale"), [(MLP, 1), (SAGEMAKER, 1), (MLP, 1000), (SAGEMAKER, 1000)]
+)
+def test_env_fallback_seconds_and_milliseconds(variable: str, scale: int) -> None:
+    value = str(int((time.time() + 50) * scale))
+    configure(closed_port_url(), environ={variable: value})
+    assert should_save_ckpt_esi(10, 60, 0) is True  # 50 <= 70
+    assert should_save_ckpt_esi(10, 20, 0) is False  # 50 > 30
+
+
+def test_env_read_at_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like verl, the variables are read at each call (os.environ by default)."""
+    monkeypatch.delenv(SAGEMAKER, raising=False)
+    monkeypatch.delenv(MLP, raising=False)
+    configure(closed_port_url())
+    assert should_save_ckpt_esi(10, 60, 0) is False
+    monkeypatch.setenv(MLP, str(int(time.time() + 30)))
+    assert should_save_ckpt_esi(10, 60, 0) is True
+
+
+def test_no_deadline_and_past_deadline_are_false() -> None:
+    configure(closed_port_url(), environ={})
+    assert should_save_ckpt_esi(10**6, 10**6, 10**6) is False
+    configure(closed_port_url(), environ={MLP: str(int(time.time() - 10))})
+    assert should_save_ckpt_esi(10**6, 10**6, 10**6) is False
+
+
+def test_bad_input_never_raises() -> None:
+    configure(closed_port_url(), environ={MLP: "not a time"})
+    assert should_save_ckpt_esi(10, 60, 0) is False
+    configure(closed_port_url(), environ={MLP: str(int(time.time() + 30))})
+    assert should_save_ckpt_esi(None, 60, 0) is False  # type: ignore[arg-type]
+    assert should_save_ckpt_esi(float("nan"), 60, 0) is False
+
+
+def test_daemon_down_keeps_its_last_deadline() -> None:
+    now = time.time()
+    with serve_daemon(sources=("static",), expires_at=str(int(now + 100))) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        ticks = [0.0]
+        configure(daemon.url, environ={}, refresh_seconds=1.0, monotonic=lambda: ticks[0])
+        assert should_save_ckpt_esi(50, 60, 0) is True
+    ticks[0] = 10.0  # refresh due; the daemon is gone now
+    assert should_save_ckpt_esi(50, 60, 0) is True
+    assert esi_verl._current_cache()._reachable is False
+
+
+def test_dead_or_hung_daemon_does_not_stall() -> None:
+    # Refused: answers at once.
+    configure(closed_port_url(), environ={})
+    started = time.monotonic()
+    assert should_save_ckpt_esi(10, 60, 0) is False
+    assert time.monotonic() - started < 1.0
+
+    # Hung: accepts the connection (kernel backlog) and never answers.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        configure(url, environ={MLP: str(int(time.time() + 30))})
+        started = time.monotonic()
+        assert should_save_ckpt_esi(10, 60, 0) is True  # env fallback after the timeout
+        first = time.monotonic() - started
+        started = time.monotonic()
+        for _ in range(200):  # within the retry interval: no new request
+            assert should_save_ckpt_esi(10, 60, 0) is True
+        repeated = time.monotonic() - started
+    assert first < 1.0
+    assert repeated < 0.5
+
+
+def test_cached_between_refreshes() -> None:
+    """Per-step calls cost one request per refresh interval, not one per call."""
+    now = time.time()
+    with serve_daemon(sources=("static",), expires_at=str(int(now + 100))) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        ticks = [0.0]
+        configure(daemon.url, environ={}, monotonic=lambda: ticks[0])
+        cache = esi_verl._current_cache()
+        requests = []
+        original = cache.client.expiry
+
+        def counting_expiry():  # type: ignore[no-untyped-def]
+            requests.append(1)
+            return original()
+
+        cache.client.expiry = counting_expiry  # type: ignore[method-assign]
+        for _ in range(100):
+            should_save_ckpt_esi(10, 60, 0)
+        assert len(requests) == 1
+        ticks[0] = 1.5
+        should_save_ckpt_esi(10, 60, 0)
+        assert len(requests) == 2
+
+
+# ---------------------------------------------------------------------------- install()
+
+CHECKPOINT_MANAGER = '''
+def should_save_ckpt_esi(max_steps_duration, save_ckpt_duration=60, redundant_time=0):
+    return "verl's own"
+'''
+
+RAY_TRAINER = '''
+from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
+
+
+def esi_close_to_expiration(max_steps_duration, esi_redundant_time):
+    return should_save_ckpt_esi(
+        max_steps_duration=max_steps_duration, redundant_time=esi_redundant_time
+    )
+'''
+
+
+@pytest.fixture
+def stand_in_verl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    files = {
+        "verl/__init__.py": "",
+        "verl/utils/__init__.py": "",
+        "verl/utils/checkpoint/__init__.py": "",
+        "verl/utils/checkpoint/checkpoint_manager.py": CHECKPOINT_MANAGER,
+        "verl/trainer/__init__.py": "",
+        "verl/trainer/ppo/__init__.py": "",
+        "verl/trainer/ppo/ray_trainer.py": RAY_TRAINER,
+    }
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+        del sys.modules[name]
+
+
+def test_install_before_verl_is_imported(stand_in_verl: Path) -> None:
+    """The Ray worker_process_setup_hook case: install() runs before verl is imported."""
+    configure(closed_port_url(), environ={MLP: str(int(time.time() + 30))})
+    esi_verl.install()
+    esi_verl.install()  # idempotent
+    from verl.trainer.ppo import ray_trainer  # type: ignore[import-not-found]
+    from verl.utils.checkpoint import checkpoint_manager  # type: ignore[import-not-found]
+
+    assert checkpoint_manager.should_save_ckpt_esi is should_save_ckpt_esi
+    assert ray_trainer.should_save_ckpt_esi is should_save_ckpt_esi
+    assert ray_trainer.esi_close_to_expiration(10, 0) is True
+
+
+def test_install_after_verl_is_imported(stand_in_verl: Path) -> None:
+    configure(closed_port_url(), environ={MLP: str(int(time.time() + 30))})
+    from verl.trainer.ppo import ray_trainer
+    from verl.utils.checkpoint import checkpoint_manager
+
+    assert ray_trainer.esi_close_to_expiration(10, 0) == "verl's own"
+    esi_verl.install()
+    assert checkpoint_manager.should_save_ckpt_esi is should_save_ckpt_esi
+    assert ray_trainer.esi_close_to_expiration(10, 0) is True
+    esi_verl.uninstall()
+    assert ray_trainer.esi_close_to_expiration(10, 0) == "verl's own"
+    assert checkpoint_manager.should_save_ckpt_esi(1) == "verl's own"
+
+
+def test_install_is_importable_by_dotted_path() -> None:
+    """Ray's worker_process_setup_hook takes "module.function" and imports it."""
+    import importlib
+
+    module_name, _, function = "sidecar.integrations.verl.install".rpartition(".")
+    assert getattr(importlib.import_module(module_name), function) is esi_verl.install
