@@ -163,3 +163,24 @@ def test_keep_alive_connection_serves_many_requests() -> None:
             assert response.status == 200
             json.loads(response.read())
         connection.close()
+
+
+def test_fast_path_answers_exactly_like_the_routed_handler() -> None:
+    import asyncio
+
+    from fastapi.routing import APIRoute
+
+    from sidecar.api import ExpiryBody, create_app
+    from sidecar.sources.base import Observation
+    from sidecar.store import Store
+
+    store = Store(["static"], stale_after=90, clock=lambda: 1000.0)
+    store.record_success("static", Observation(expires_at_unix=1900000000.0, kind="k"))
+    app = create_app(store, clock=lambda: 1000.0)
+    route = next(r for r in app.routes if isinstance(r, APIRoute) and r.path == "/v1/expiry")
+    routed = json.loads(asyncio.run(route.endpoint()).body)
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        _, served = get_json(daemon.url + "/v1/expiry")
+    assert set(routed) == set(served) == set(ExpiryBody.model_fields)
+    assert routed["expires_at_unix"] == 1900000000.0 and routed["server_time_unix"] == 1000.0
