@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/esi-sidecar demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check sidecar tests benchmarks examples
