@@ -16,8 +16,6 @@ Rank 0 alone: budget = 10 + 5 + 5 = 20, so k = 8; the other ranks alone: never.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from contextlib import ExitStack
@@ -27,6 +25,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from rank_launcher import base_environment, run_ranks
 
 pytest.importorskip("torch")
 
@@ -46,10 +45,6 @@ RELEASE_AFTER = 100  # simulated seconds after base, on rank 0's daemon only
 EXPECTED_SAVE_STEP = 7
 RANK0_ALONE_SAVE_STEP = 8
 STEPS = 12
-DEADLINE_VARIABLES = (
-    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
-    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
-)
 
 
 def start_daemons(stack: ExitStack, world_size: int, base_unix: float) -> list[str]:
@@ -70,7 +65,7 @@ def start_daemons(stack: ExitStack, world_size: int, base_unix: float) -> list[s
     return urls
 
 
-def run_ranks(
+def run_workers(
     tmp_path: Path,
     urls: list[str],
     *,
@@ -79,16 +74,10 @@ def run_ranks(
     group_timeout: float = 20,
     limit: float = 90,
 ) -> list[tuple[int, Any, str]]:
-    """Start one process per rank; (exit code, result or None, stderr) per rank.
-
-    Fails the test if any rank is still running after ``limit`` seconds (a hang).
-    """
+    """One distributed_worker.py per rank; (exit code, result or None, stderr) per rank."""
     world_size = len(urls)
-    env = {k: v for k, v in os.environ.items() if k not in DEADLINE_VARIABLES}
-    env.pop("ESI_SIDECAR_URL", None)
-    env["OMP_NUM_THREADS"] = "1"
     init_file = tmp_path / f"init-{world_size}-{reduce}"
-    processes = []
+    commands, results = [], []
     for rank, url in enumerate(urls):
         result_path = tmp_path / f"result-{rank}.json"
         config: dict[str, Any] = {
@@ -105,40 +94,14 @@ def run_ranks(
             "checkpoint": str(tmp_path / "model.pt"),
             "result": str(result_path),
         }
-        stderr = open(tmp_path / f"stderr-{rank}.txt", "w+")  # noqa: SIM115 (closed below)
-        processes.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), json.dumps(config)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=stderr,
-                ),
-                stderr,
-                result_path,
-            )
-        )
-    deadline = time.monotonic() + limit
-    hung = False
-    for process, _stderr, _result in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung = True
-    outcomes = []
-    for process, stderr, result in processes:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        stderr.seek(0)
-        text = stderr.read()
-        stderr.close()
-        body = json.loads(result.read_text()) if result.exists() else None
-        outcomes.append((process.returncode, body, text))
-    if hung:
-        tails = [stderr[-500:] for _code, _body, stderr in outcomes]
-        pytest.fail(f"ranks still running after {limit} s (hang): {tails}")
-    return outcomes
+        commands.append([sys.executable, str(WORKER), json.dumps(config)])
+        results.append(result_path)
+    env = base_environment()
+    outcomes = run_ranks(commands, [env] * world_size, tmp_path, limit=limit)
+    return [
+        (code, json.loads(result.read_text()) if result.exists() else None, stderr)
+        for (code, stderr), result in zip(outcomes, results)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -147,7 +110,7 @@ def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -
     with ExitStack() as stack:
         urls = start_daemons(stack, world_size, base_unix)
         started = time.monotonic()
-        outcomes = run_ranks(tmp_path, urls, base_unix=base_unix)
+        outcomes = run_workers(tmp_path, urls, base_unix=base_unix)
         elapsed = time.monotonic() - started
 
     for code, _body, stderr in outcomes:
@@ -189,7 +152,9 @@ def test_without_the_reducer_the_collective_save_fails(tmp_path: Path) -> None:
     base_unix = time.time()
     with ExitStack() as stack:
         urls = start_daemons(stack, 2, base_unix)
-        outcomes = run_ranks(tmp_path, urls, base_unix=base_unix, reduce=False, group_timeout=5)
+        outcomes = run_workers(
+            tmp_path, urls, base_unix=base_unix, reduce=False, group_timeout=5
+        )
     results = [body for code, body, _stderr in outcomes if code == 0 and body is not None]
     agreed = len(results) == 2 and all(
         r["saves"] == results[0]["saves"] and len(r["saves"]) == 1 for r in results

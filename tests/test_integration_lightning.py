@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from rank_launcher import run_framework_ranks
 
 from sidecar.client import CheckpointGuard, SidecarClient
 from sidecar.policy import SavePolicy
@@ -153,3 +154,21 @@ def test_callback_class_is_built_lazily() -> None:
     assert default.checkpoint_path(trainer) == (
         "/nonexistent-root/checkpoints/esi-epoch=0-step=0.ckpt"
     )
+
+
+def test_two_processes_agree_with_the_default_guard(tmp_path: Path) -> None:
+    """2 ranks (DDP, gloo), each with its own daemon; only rank 0's knows a near release.
+
+    Both ranks save at the first step through Lightning's collective save_checkpoint
+    and stop there; without agreement rank 1 would wait in the next step's all_reduce.
+    """
+    results = run_framework_ranks("lightning", tmp_path)
+    for r in results:
+        assert r["distributed"] is True and r["world_size"] == 2
+        assert r["saves"] == 1 and r["stopped"] is True
+        assert r["global_step"] == 1
+    assert results[0]["path"] == results[1]["path"]
+    assert results[0]["local_remaining"] < 200 < 10**5 < results[1]["local_remaining"]
+    files = list((tmp_path / "ckpt").iterdir())
+    assert [p.name for p in files] == ["esi-epoch=0-step=1.ckpt"]
+    assert torch.load(files[0], weights_only=False)["global_step"] == 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from rank_launcher import run_framework_ranks
 
 from sidecar.client import CheckpointGuard, SidecarClient
 from sidecar.policy import SavePolicy
@@ -160,3 +161,23 @@ def test_importing_the_module_does_not_import_transformers_classes() -> None:
     assert cls.__module__ == "sidecar.integrations.transformers"
     with pytest.raises(AttributeError):
         _ = module.NoSuchThing
+
+
+def test_two_processes_agree_with_the_default_guard(tmp_path: Path) -> None:
+    """2 ranks (gloo), each with its own daemon; only rank 0's knows a near release.
+
+    The callback's default guard picks up the TorchReducer by itself: both ranks request
+    the save at the first step, both take part in it (each writes its RNG state), both
+    stop there. Each rank's own view still differs (rank-local remaining time).
+    """
+    results = run_framework_ranks("hf", tmp_path)
+    for r in results:
+        assert r["distributed"] is True and r["world_size"] == 2
+        assert r["saves"] == 1 and r["saves_recorded"] == 1
+        assert r["stopped"] is True
+        assert r["global_step"] == 1
+    assert results[0]["local_remaining"] < 200 < 10**5 < results[1]["local_remaining"]
+    checkpoints = [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")]
+    assert checkpoints == ["checkpoint-1"]
+    files = {p.name for p in (tmp_path / "checkpoint-1").iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= files
