@@ -22,6 +22,9 @@ from sidecar.policy import SavePolicy
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+# The Trainer refuses to run without accelerate (transformers[torch]); the frameworks
+# extra must list it, or these tests are skipped here.
+pytest.importorskip("accelerate")
 
 import torch
 import transformers
