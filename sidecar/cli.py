@@ -307,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--release-at", metavar="TIME", help="release at this time "
                       "(served verbatim as AutoReleaseAt)")
     emulate.set_defaults(func=cmd_emulate)
+
+    from sidecar.demo import add_demo_command
+    from sidecar.simulate import add_simulate_command
+
+    add_demo_command(commands)
+    add_simulate_command(commands)
     return parser
 
 
