@@ -411,6 +411,10 @@ class CheckpointGuard:
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
         self._last_save_decision: Optional[PolicyDecision] = None
+        # The deadline (reduced across ranks) behind the last should_save()/should_stop();
+        # _decided is False until one of them ran.
+        self._decided = False
+        self._decided_deadline: Optional[float] = None
         self.last_error: Optional[str] = None
 
     # ------------------------------------------------------------------ measuring
@@ -424,31 +428,66 @@ class CheckpointGuard:
 
     @contextmanager
     def saving(self) -> Iterator[None]:
-        """Time one save and count it as done. A save that raises is not counted."""
+        """Time one save and count it as done. A save that raises is not counted.
+
+        Any save may be timed here, routine ones too: each teaches the policy the save
+        time. It counts as the final save for a deadline only when that deadline was
+        known and inside the rule's window when the save started (see
+        ``SavePolicy.record_save``).
+        """
         started_unix = self._clock()
+        deadline = self._deadline_for_save()
         started = self._monotonic()
         yield
-        self.record_save(max(0.0, self._monotonic() - started), started_unix=started_unix)
+        self._record_save(
+            max(0.0, self._monotonic() - started), started_unix=started_unix, deadline_unix=deadline
+        )
 
     def record_step(self, seconds: float) -> None:
         """For callers that time steps themselves (framework callbacks)."""
         self.policy.record_step(seconds)
 
     def record_save(self, seconds: float, *, started_unix: Optional[float] = None) -> None:
-        """For callers that time saves themselves; ``started_unix`` defaults to now - seconds."""
+        """For callers that time saves themselves; ``started_unix`` defaults to now - seconds.
+
+        Call it right after the save, before the next ``should_save()``: the save is taken
+        to be for the deadline that the last ``should_save()`` (or ``should_stop()``) used.
+        """
         if started_unix is None:
             started_unix = self._clock() - seconds
+        self._record_save(seconds, started_unix=started_unix,
+                          deadline_unix=self._deadline_for_save())
+
+    def _deadline_for_save(self) -> Optional[float]:
+        """The deadline a save starting now is made for.
+
+        The one behind the last collective decision (reduced across ranks, so every rank
+        records the same deadline whichever rank knew it), else this rank's cached one
+        (no request: a save must not wait for the daemon).
+        """
+        if self._decided:
+            return self._decided_deadline
+        return self._current_deadline()[0]
+
+    def _record_save(
+        self, seconds: float, *, started_unix: float, deadline_unix: Optional[float]
+    ) -> None:
         # The budget of the decision that asked for this save, so that the save covers
-        # what that decision promised (see SavePolicy.record_save).
+        # what that decision promised; the deadline known when it started, so that a
+        # routine save made before the deadline was known (or while it was far) does not
+        # count as the final save (see SavePolicy.record_save).
         asked = self._last_save_decision
         budget = None if asked is None else asked.budget_seconds
-        self.policy.record_save(seconds, started_unix=started_unix, budget_seconds=budget)
+        self.policy.record_save(
+            seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
+        )
 
     # ------------------------------------------------------------------ deciding
 
     def should_save(self) -> bool:
         """Save now? At most once per deadline. Collective when a reducer is set."""
-        decision = self._decide(reduce=True)
+        decision, self._decided_deadline = self._decide(reduce=True)
+        self._decided = True
         self._last_decision = self._last_save_decision = decision
         if decision.save_now:
             logger.info("checkpoint now: %s", decision.reason)
@@ -459,7 +498,8 @@ class CheckpointGuard:
 
         Collective when a reducer is set (so that every rank leaves the loop together).
         """
-        decision = self._decide(reduce=True)
+        decision, self._decided_deadline = self._decide(reduce=True)
+        self._decided = True
         self._last_decision = decision
         if decision.stop and not self._stopping:
             logger.info("stop training: %s", decision.reason)
@@ -476,7 +516,7 @@ class CheckpointGuard:
 
     def status(self) -> GuardStatus:
         """This rank's view, without the reducer (never collective): for logging."""
-        decision = self._decide(reduce=False)
+        decision, _deadline = self._decide(reduce=False)
         deadline, source = self._current_deadline()
         return GuardStatus(
             remaining_seconds=decision.remaining_seconds,
@@ -497,7 +537,8 @@ class CheckpointGuard:
         """The decision behind the last should_save() or should_stop() (not status())."""
         return self._last_decision
 
-    def _decide(self, *, reduce: bool) -> PolicyDecision:
+    def _decide(self, *, reduce: bool) -> tuple[PolicyDecision, Optional[float]]:
+        """The decision, and the absolute deadline it used (reduced across ranks)."""
         now_unix = self._clock()
         try:
             self._maybe_refresh()
@@ -524,12 +565,13 @@ class CheckpointGuard:
             step = None if s < 0 or math.isnan(s) else s
             measured_save = None if v < 0 or math.isnan(v) else v
             covered = None if math.isinf(c) or math.isnan(c) else c
-        return policy.decide(
+        decision = policy.decide(
             remaining,
             step_seconds=step,
             save_seconds=policy.save_seconds if measured_save is None else measured_save,
             covered_seconds=covered,
         )
+        return decision, None if remaining is None else now_unix + remaining
 
     # ------------------------------------------------------------------ the deadline
 

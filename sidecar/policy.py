@@ -12,11 +12,33 @@ What this module does better than the seed in verl
   data-loader start) no longer inflates the budget for the whole run.
 - ``T_save`` follows measured saves instead of a fixed 60 s (see :meth:`SavePolicy.save_estimate`).
 - It saves ONCE per deadline. The seed stays true for every step inside the window and
-  saves again and again, each save eating into the time left. Here a save "covers" every
-  deadline no further than one budget after the save started; the rule re-arms only
-  when the deadline moves later than that.
+  saves again and again, each save eating into the time left. Here a save made for a
+  deadline "covers" every deadline no further than one budget after the save started;
+  the rule re-arms only when the deadline moves later than that.
+- A save counts as made for a deadline only when that deadline was known when the save
+  started and already inside the save's window (``deadline <= started + budget``). A
+  routine save made before any deadline was known, or while it was still far away,
+  disarms nothing: a notice arriving soon after it still gets its own final save, so
+  the training done since the routine save is not lost. A routine (periodic) save made
+  while the deadline is known and inside the window is the final save. Until the next
+  training step, though, every save covers like a final one: a deadline learned while
+  it was being written finds the job with nothing unsaved, and another save could
+  only repeat it (or be cut by the release).
 - After the covering save, ``stop`` turns true: another step plus another save no longer
   fits before the deadline with the safety margin, so the job can exit cleanly.
+
+Decided and left as they are (see docs/simulation.md, stress workloads):
+
+- Until a save was measured, it is assumed to take ``save_seconds`` (60 s). A job whose
+  saves take longer and that only ever saves at the deadline starts that save too late;
+  set ``save_seconds``, or time routine saves through the guard so that the final save
+  uses a measured value. A larger default would stop every other job earlier than
+  needed, for nothing, so there is no better default to pick.
+- The step estimate looks at the last ``window`` (100) steps so that a slow warm-up step
+  is forgotten; a spike rarer than the window (a validation step every 150 steps) is
+  forgotten too. Nothing in the step times alone tells a one-off warm-up from a rare
+  recurring spike, so the remedy is the user's: a ``window`` longer than the spike's
+  period.
 
 Every time is passed in (``now_unix``, ``started_unix``): the policy never reads a clock,
 so tests drive it step by step and the guard in ``sidecar.client`` owns all I/O.
@@ -104,6 +126,8 @@ class SavePolicy:
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)
     _cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
+    # The cover of the last save of any kind, until the next step (nothing unsaved).
+    _fresh_cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.save_seconds = _check_duration("save_seconds", self.save_seconds)
@@ -124,34 +148,60 @@ class SavePolicy:
     # ------------------------------------------------------------------ measurements
 
     def record_step(self, seconds: float) -> None:
-        """Add one measured training step (its duration, not counting saves)."""
+        """Add one measured training step (its duration, not counting saves).
+
+        Also ends the cover that the last save had only for having nothing unsaved after
+        it (see :meth:`record_save`).
+        """
         self._steps.append(_check_duration("seconds", seconds))
+        self._fresh_cover_until_unix = None
 
     def record_save(
         self,
         seconds: float,
         *,
         started_unix: float,
+        deadline_unix: Optional[float],
         budget_seconds: Optional[float] = None,
     ) -> None:
         """Add one measured save that started at ``started_unix`` (wall clock).
 
-        The checkpoint holds the training state of ``started_unix``, so the save covers
-        every deadline up to ``started_unix + budget``: saving again before such a
-        deadline would not lose less work than the rule accepts. The budget used is the
-        largest of ``budget_seconds`` (the one the save decision used, passed by the
-        guard), the budget before this measurement and the budget after it, so a save
-        that turns out faster than assumed never shrinks the cover below the decision
-        that asked for it (which would re-arm at once and save twice).
+        ``deadline_unix``: the deadline known when the save started (None if none was
+        known); the guard passes the one its last "save now?" decision used. Required,
+        so that no caller forgets it and silently gets the wrong cover.
+
+        Every save is measured (it teaches the policy the save time). It also becomes the
+        final save, and covers deadlines, only when it could have been made for the
+        known deadline: ``deadline_unix`` is not None and ``deadline_unix <= started_unix
+        + budget``, the rule's own window. The checkpoint holds the training state of
+        ``started_unix``, so such a save covers every deadline up to ``started_unix +
+        budget``: saving again before such a deadline would not lose less work than the
+        rule accepts. A save made with no deadline known, or with the deadline still
+        outside the window (a routine save), covers nothing once training goes on: a
+        deadline learned later gets its own save, and the training done since the
+        routine save is kept (found by the simulator: ``sidecar+periodic-30`` missed on
+        spot notices). Until the next :meth:`record_step`, though, any save covers up to
+        ``started_unix + budget``: with nothing trained since, it is as fresh as a save
+        made now, so a deadline learned while it was written needs no second save.
+
+        The budget used is the largest of ``budget_seconds`` (the one the save decision
+        used, passed by the guard), the budget before this measurement and the budget
+        after it, so a save that turns out faster than assumed never shrinks the cover
+        below the decision that asked for it (which would re-arm at once and save twice).
         """
         seconds = _check_duration("seconds", seconds)
         if not math.isfinite(started_unix):
             raise ValueError(f"started_unix must be finite, got {started_unix!r}")
+        if deadline_unix is not None and not math.isfinite(deadline_unix):
+            raise ValueError(f"deadline_unix must be finite or None, got {deadline_unix!r}")
         before = self._budget(self.step_estimate(), self.save_estimate())
         self._saves.append(seconds)
         after = self._budget(self.step_estimate(), self.save_estimate())
         budget = max(before, after, budget_seconds or 0.0)
         cover = started_unix + budget
+        self._fresh_cover_until_unix = cover
+        if deadline_unix is None or deadline_unix > cover:
+            return  # a routine save: not made for any deadline
         # A later save never shrinks what an earlier one covers.
         if self._cover_until_unix is None or cover > self._cover_until_unix:
             self._cover_until_unix = cover
@@ -184,14 +234,19 @@ class SavePolicy:
         return self.save_seconds if measured is None else measured
 
     def covered_seconds(self, now_unix: float) -> Optional[float]:
-        """How far beyond ``now_unix`` the last save covers a deadline; None if no save.
+        """How far beyond ``now_unix`` the saves made for a deadline cover; None if none.
+
+        Routine saves (no deadline known, or it was outside their window) count only
+        until the next step (see :meth:`record_save`).
 
         Negative when the cover ended in the past. Exposed so that the guard can reduce
         it across ranks (the largest wins: any rank's save covers everyone).
         """
-        if self._cover_until_unix is None:
+        covers = [c for c in (self._cover_until_unix, self._fresh_cover_until_unix)
+                  if c is not None]
+        if not covers:
             return None
-        return self._cover_until_unix - now_unix
+        return max(covers) - now_unix
 
     def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
         return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
@@ -218,7 +273,7 @@ class SavePolicy:
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
 
-        ``covered_seconds``: how far beyond now the last save covers (see
+        ``covered_seconds``: how far beyond now the saves made for a deadline cover (see
         :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
         ``remaining_seconds <= covered_seconds``; a deadline moved later than that
         re-arms it. A deadline brought earlier stays covered.

@@ -30,7 +30,7 @@ from sidecar.client import (
     SidecarClient,
     env_deadline,
 )
-from sidecar.models import Expiry
+from sidecar.models import KIND_PREEMPTION, Expiry
 from sidecar.policy import SavePolicy
 from sidecar.sources.base import Observation
 
@@ -481,6 +481,57 @@ def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
         assert guard.should_save() is True
 
 
+def test_routine_save_before_a_notice_does_not_disarm_the_final_save() -> None:
+    # The simulator's case, through the real daemon: a routine save while no deadline is
+    # known, 40 s of training, then a preemption notice 110 s ahead. That deadline is
+    # within one budget of the routine save, but the save was not made for it: save
+    # again (once), then stop.
+    now = time.time()
+    wall = [now]
+    monotonic = FakeMonotonic()
+
+    def elapse(seconds: float) -> None:
+        wall[0] += seconds
+        monotonic.advance(seconds)
+
+    # The env source with no variable set: the daemon answers "no deadline" (a real null).
+    with serve_daemon(sources=("env",), poll_interval=3600) as daemon:
+        client = SidecarClient(daemon.url)
+        wait_for(lambda: (client.expiry() or Expiry.from_json({"server_time_unix": 1})).source)
+        guard = simple_guard(client, clock=lambda: wall[0], monotonic=monotonic)
+        guard.record_step(20.0)  # budget 20 + 60 + 120 = 200 s until a save is measured
+        assert guard.should_save() is False
+        with guard.saving():  # the user's own routine save, timed by the guard
+            elapse(10.0)
+        assert guard.should_stop() is False
+        for _ in range(2):
+            guard.record_step(20.0)
+            elapse(20.0)
+            assert guard.should_save() is False
+            assert guard.should_stop() is False
+
+        deadline = now + 160.0  # 110 s ahead; the routine save started 160 s before it
+        daemon.store.record_success(
+            "env", Observation(expires_at_unix=deadline, kind=KIND_PREEMPTION)
+        )
+        monotonic.advance(1.0)  # the next refresh is due
+        saves: list[float] = []
+
+        def save() -> None:
+            saves.append(wall[0])
+            elapse(10.0)
+
+        assert guard.maybe_save(save) is True
+        assert guard.should_stop() is True
+        assert guard.status().deadline_unix == pytest.approx(deadline)
+        for _ in range(3):  # once per deadline: never again inside the window
+            guard.record_step(20.0)
+            elapse(20.0)
+            assert guard.should_save() is False
+            assert guard.should_stop() is True
+        assert saves == [pytest.approx(now + 50.0)]
+
+
 def test_user_save_error_propagates_and_is_not_counted() -> None:
     with static_daemon(time.time() + 200) as daemon:
         guard = simple_guard(SidecarClient(daemon.url), policy=SavePolicy(save_seconds=100.0))
@@ -703,15 +754,19 @@ class ThreadAllReduce:
         return reduce
 
 
-def test_ranks_decide_alike_and_stop_together() -> None:
-    # Rank 0 talks to a daemon and saves (DDP style: rank 0 writes the checkpoint);
-    # rank 1's daemon is unreachable. Both must be told to save and to stop together.
+@pytest.mark.parametrize("daemon_rank", [0, 1])
+def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
+    # Rank 0 saves (DDP style: rank 0 writes the checkpoint); one rank talks to a daemon,
+    # the other's daemon is unreachable. Both must be told to save and to stop together,
+    # also when the saving rank is the one that knows no deadline (the save is recorded
+    # for the deadline the reduced decision used).
     reduce = ThreadAllReduce(2)
     told_to_save: dict[int, list[int]] = {0: [], 1: []}
     stopped_at: dict[int, int] = {}
     errors: list[BaseException] = []
     with static_daemon(time.time() + 200) as daemon:
-        urls = [daemon.url, f"http://127.0.0.1:{closed_port()}"]
+        urls = [f"http://127.0.0.1:{closed_port()}"] * 2
+        urls[daemon_rank] = daemon.url
 
         def train(rank: int) -> None:
             try:
@@ -729,8 +784,9 @@ def test_ranks_decide_alike_and_stop_together() -> None:
                         if rank == 0:
                             with guard.saving():
                                 pass
-                    status = guard.status()  # local, never collective
-                    assert status.save_now is False or rank == 0
+                    status = guard.status()  # local, never collective: only the rank
+                    # that knows the deadline (and did not write the save) may say "save"
+                    assert status.save_now is False or rank == daemon_rank
                     if guard.should_stop():
                         stopped_at[rank] = step
                         return

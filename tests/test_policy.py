@@ -126,19 +126,19 @@ def test_percentile_with_few_samples_is_the_max() -> None:
 def test_save_estimate_follows_measured_saves_with_margin() -> None:
     policy = SavePolicy(save_seconds=60.0, save_margin=1.2, save_window=2)
     assert policy.measured_save_estimate() is None
-    policy.record_save(10.0, started_unix=NOW)
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=None)
     assert policy.save_estimate() == pytest.approx(12.0)  # a fast save lowers it
-    policy.record_save(100.0, started_unix=NOW + 1)
+    policy.record_save(100.0, started_unix=NOW + 1, deadline_unix=None)
     assert policy.save_estimate() == pytest.approx(120.0)  # the largest recent one
-    policy.record_save(20.0, started_unix=NOW + 2)
+    policy.record_save(20.0, started_unix=NOW + 2, deadline_unix=None)
     assert policy.save_estimate() == pytest.approx(120.0)
-    policy.record_save(20.0, started_unix=NOW + 3)
+    policy.record_save(20.0, started_unix=NOW + 3, deadline_unix=None)
     assert policy.save_estimate() == pytest.approx(24.0)  # the slow one aged out
 
 
 def test_measured_save_changes_the_budget() -> None:
     policy = policy_with_step(80.0, save_seconds=60.0, redundant_seconds=120.0)
-    policy.record_save(5.0, started_unix=NOW - 10_000)  # an early routine save
+    policy.record_save(5.0, started_unix=NOW - 10_000, deadline_unix=None)  # a routine save
     decision = policy.evaluate(NOW, NOW + 250.0)
     assert decision.budget_seconds == pytest.approx(80 + 6 + 120)
     assert not decision.save_now
@@ -152,7 +152,9 @@ def test_saves_once_per_deadline_then_stops() -> None:
     policy = policy_with_step(80.0)
     first = policy.evaluate(NOW, deadline)
     assert first.save_now and not first.stop
-    policy.record_save(30.0, started_unix=NOW, budget_seconds=first.budget_seconds)
+    policy.record_save(
+        30.0, started_unix=NOW, deadline_unix=deadline, budget_seconds=first.budget_seconds
+    )
 
     after = policy.evaluate(NOW + 30.0, deadline)
     assert not after.save_now
@@ -171,7 +173,7 @@ def test_faster_than_assumed_save_does_not_rearm() -> None:
     deadline = NOW + 255.0
     policy = policy_with_step(80.0)
     assert policy.evaluate(NOW, deadline).save_now
-    policy.record_save(10.0, started_unix=NOW)
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
     decision = policy.evaluate(NOW + 10.0, deadline)
     assert decision.budget_seconds == pytest.approx(212.0)
     assert not decision.save_now and decision.stop
@@ -181,7 +183,8 @@ def test_rearms_when_the_deadline_moves_later_than_the_save_covers() -> None:
     policy = policy_with_step(80.0)
     deadline = NOW + 200.0
     assert policy.evaluate(NOW, deadline).save_now
-    policy.record_save(30.0, started_unix=NOW)
+    policy.record_save(30.0, started_unix=NOW, deadline_unix=deadline)
+    policy.record_step(80.0)  # training went on: only the cover for the deadline is left
 
     # A small shift stays within the cover (budget 80 + 36 + 120 = 236 s after the save).
     assert policy.evaluate(NOW + 30.0, deadline + 30.0).stop
@@ -194,7 +197,7 @@ def test_rearms_when_the_deadline_moves_later_than_the_save_covers() -> None:
     near = later - 200.0
     again = policy.evaluate(near, later)
     assert again.save_now
-    policy.record_save(30.0, started_unix=near)
+    policy.record_save(30.0, started_unix=near, deadline_unix=later)
     assert policy.evaluate(near + 30.0, later).stop
 
 
@@ -203,28 +206,102 @@ def test_deadline_brought_earlier() -> None:
     # Far away: nothing to do. Then a preemption notice brings it close: save now.
     assert not policy.evaluate(NOW, NOW + 86_400.0).save_now
     assert policy.evaluate(NOW, NOW + 150.0).save_now
-    policy.record_save(20.0, started_unix=NOW)
-    # Brought earlier again after the save: still covered, no second save.
+    policy.record_save(20.0, started_unix=NOW, deadline_unix=NOW + 150.0)
+    # Brought earlier again after the save: still covered, no second save (the job
+    # stopped right after the save; nothing is at risk), even if a step ran since.
     decision = policy.evaluate(NOW + 20.0, NOW + 60.0)
     assert not decision.save_now and decision.stop
+    policy.record_step(20.0)
+    assert policy.evaluate(NOW + 40.0, NOW + 60.0).stop
 
 
-def test_save_without_a_deadline_covers_a_deadline_that_appears_soon_after() -> None:
+def test_periodic_save_before_the_notice_does_not_disarm_the_rule() -> None:
+    # The simulator's case: a routine save at NOW (no deadline known), then a spot-style
+    # notice at NOW + 40 with the deadline at NOW + 160. That deadline is within one
+    # budget of the save (NOW + 200), but the save was not made for it: the 40 s trained
+    # since would be lost by stopping, and another save fits. Save again, once; then stop.
+    policy = policy_with_step(20.0)  # budget 20 + 60 + 120 = 200 s
+    assert policy.evaluate(NOW, None).reason == "no deadline known"
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=None)
+    assert policy.covered_seconds(NOW + 10.0) is not None  # nothing trained since: fresh
+    policy.record_step(20.0)
+    policy.record_step(20.0)
+    assert policy.covered_seconds(NOW + 50.0) is None  # a routine save covers nothing
+    deadline = NOW + 160.0
+    decision = policy.evaluate(NOW + 50.0, deadline)
+    assert decision.save_now and not decision.stop, decision
+    assert decision.budget_seconds == pytest.approx(20 + 12 + 120)  # measured save
+    policy.record_save(
+        10.0, started_unix=NOW + 50.0, deadline_unix=deadline,
+        budget_seconds=decision.budget_seconds,
+    )
+    assert policy.evaluate(NOW + 60.0, deadline).stop
+    for elapsed in (80.0, 100.0, 159.0):  # once: never again inside the window
+        policy.record_step(20.0)
+        decision = policy.evaluate(NOW + elapsed, deadline)
+        assert not decision.save_now and decision.stop
+
+
+def test_save_while_the_deadline_was_far_does_not_cover_it_when_brought_earlier() -> None:
+    policy = policy_with_step(80.0)  # budget 260 s
+    far = NOW + 3600.0
+    assert not policy.evaluate(NOW, far).save_now
+    policy.record_save(20.0, started_unix=NOW, deadline_unix=far)  # a routine save
+    policy.record_step(80.0)
+    assert policy.covered_seconds(NOW + 100.0) is None
+    # Brought within one budget of that save: it was not made for this deadline.
+    near = NOW + 250.0
+    decision = policy.evaluate(NOW + 100.0, near)
+    assert decision.save_now and not decision.stop
+    policy.record_save(20.0, started_unix=NOW + 100.0, deadline_unix=near)
+    assert policy.evaluate(NOW + 120.0, near).stop
+
+
+def test_periodic_save_inside_the_window_is_the_final_save() -> None:
+    # The deadline is known and inside the window when the user's own periodic save
+    # starts (no "save now?" decision passed a budget): that save is the final one.
+    policy = policy_with_step(80.0)  # budget 260 s before the save
+    deadline = NOW + 260.0  # on the boundary: the window is inclusive
+    assert policy.evaluate(NOW, deadline).save_now
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
+    for elapsed in (10.0, 90.0, 170.0, 250.0):
+        decision = policy.evaluate(NOW + elapsed, deadline)
+        assert not decision.save_now and decision.stop, decision
+        policy.record_step(80.0)
+
+
+def test_deadline_learned_during_a_routine_save_needs_no_second_save() -> None:
+    # The notice arrives while the routine save is being written: with nothing trained
+    # since, that checkpoint is as fresh as a new one, so stop rather than train a step
+    # and start a save that the release may cut. If training goes on anyway, the rule
+    # re-arms for the new work.
+    policy = policy_with_step(20.0)  # budget 200 s
+    policy.record_save(60.0, started_unix=NOW, deadline_unix=None)
+    deadline = NOW + 150.0
+    decision = policy.evaluate(NOW + 60.0, deadline)
+    assert decision.stop and not decision.save_now
+    policy.record_step(20.0)
+    decision = policy.evaluate(NOW + 80.0, deadline)
+    assert decision.save_now and not decision.stop
+
+
+def test_routine_save_does_not_shrink_an_earlier_final_cover() -> None:
     policy = policy_with_step(80.0)
-    policy.record_save(10.0, started_unix=NOW)  # routine save, no deadline known
-    assert policy.evaluate(NOW + 20.0, None).stop is False
-    # Budget after the save: 80 + 12 + 120 = 212 s (before it: 260 s); covered to NOW+260.
-    assert policy.evaluate(NOW + 20.0, NOW + 250.0).stop
-    # Beyond the cover: armed, and the rule fires once the deadline comes within budget.
-    beyond = policy.evaluate(NOW + 20.0, NOW + 261.0)
-    assert not beyond.stop and not beyond.save_now
-    assert policy.evaluate(NOW + 100.0, NOW + 261.0).save_now
+    deadline = NOW + 200.0
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)  # final: to NOW+260
+    policy.record_step(80.0)
+    policy.record_save(10.0, started_unix=NOW + 90.0, deadline_unix=None)  # routine
+    policy.record_step(80.0)
+    assert policy.covered_seconds(NOW + 180.0) == pytest.approx(80.0)
+    assert policy.evaluate(NOW + 180.0, deadline).stop
 
 
 def test_covered_seconds_is_exposed_for_reduction() -> None:
     policy = policy_with_step(80.0)
     assert policy.covered_seconds(NOW) is None
-    policy.record_save(10.0, started_unix=NOW, budget_seconds=300.0)
+    policy.record_save(10.0, started_unix=NOW, deadline_unix=NOW + 250.0, budget_seconds=300.0)
+    assert policy.covered_seconds(NOW + 100.0) == pytest.approx(200.0)
+    policy.record_step(80.0)
     assert policy.covered_seconds(NOW + 100.0) == pytest.approx(200.0)
 
 
@@ -266,6 +343,15 @@ def test_invalid_measurements_are_rejected(seconds: float) -> None:
     with pytest.raises(ValueError, match="seconds"):
         policy.record_step(seconds)
     with pytest.raises(ValueError, match="seconds"):
-        policy.record_save(seconds, started_unix=NOW)
+        policy.record_save(seconds, started_unix=NOW, deadline_unix=None)
     assert policy.step_estimate() is None
     assert policy.measured_save_estimate() is None
+
+
+@pytest.mark.parametrize("deadline", [math.nan, math.inf, -math.inf])
+def test_invalid_save_deadline_is_rejected(deadline: float) -> None:
+    policy = policy_with_step(80.0)
+    with pytest.raises(ValueError, match="deadline_unix"):
+        policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
+    assert policy.measured_save_estimate() is None
+    assert policy.covered_seconds(NOW) is None

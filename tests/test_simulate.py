@@ -26,14 +26,60 @@ REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress
 SEEDS = 50
 
 
-def test_sidecar_misses_no_feasible_deadline_on_reference_workloads() -> None:
-    results = run(REFERENCE, ["sidecar"], seeds=SEEDS)
+@pytest.mark.parametrize("policy", ["sidecar", "sidecar+periodic-30"])
+def test_sidecar_misses_no_feasible_deadline_on_reference_workloads(policy: str) -> None:
+    results = run(REFERENCE, [policy], seeds=SEEDS)
     assert {r.workload for r in results} == set(REFERENCE)
     for result in results:
         assert result.misses == 0, result
         if result.feasible_runs:
             assert result.lost_max_s == 0.0, result  # it saved, then stopped: nothing to redo
+            assert result.interrupted_saves == 0, result  # and no save was cut
     assert sum(r.feasible_runs for r in results) >= (len(REFERENCE) - 1) * SEEDS
+
+
+# Seeds on which a periodic save made before the deadline was known used to count as
+# the final save: the policy stopped at the notice and lost the 40-60 s trained since.
+@pytest.mark.parametrize(
+    ("workload", "seed"),
+    [("brought-forward", 97), ("spot-notice-120s", 2), ("spot-notice-120s", 107),
+     ("spot-notice-120s", 114)],
+)
+def test_periodic_save_before_the_notice_is_not_the_final_save(workload: str, seed: int) -> None:
+    outcome = simulate_run(WORKLOADS[workload], POLICIES["sidecar+periodic-30"], seed)
+    assert outcome.feasible
+    assert (outcome.missed, outcome.lost_s, outcome.interrupted_save) == (False, 0.0, False)
+
+
+def periodic_then_notice(notice_at_s: float) -> Workload:
+    """20 s steps and 10 s saves, exactly; a notice at ``notice_at_s``, 150 s ahead."""
+    return Workload(
+        "periodic-then-notice",
+        "20 s steps, 10 s saves, a notice 150 s ahead",
+        lambda rng: (DeadlineChange(0.0, None),
+                     DeadlineChange(notice_at_s, notice_at_s + 150.0)),
+        step_seconds=20.0,
+        step_jitter=0.0,
+        save_seconds=10.0,
+        save_jitter=0.0,
+    )
+
+
+def test_worked_example_periodic_save_then_notice() -> None:
+    # The periodic save runs 1800-1810 s with no deadline known. The notice (deadline
+    # 1970 s) reaches the job at 1850 s, after 40 s of training: within one budget of
+    # the periodic save (1800 + 200 s), but that save was not made for it. Save again.
+    outcome = simulate_run(periodic_then_notice(1820.0), POLICIES["sidecar+periodic-30"], 0)
+    assert (outcome.saves, outcome.lost_s, outcome.missed) == (2, 0.0, False)
+    assert outcome.idle_s == pytest.approx(1970.0 - 1860.0)  # saved 1850-1860, stopped
+
+
+def test_worked_example_notice_learned_during_the_periodic_save() -> None:
+    # The notice reaches the job at 1805 s, during the periodic save: with nothing
+    # trained since, that save is as fresh as a new one. Stop; no second save.
+    outcome = simulate_run(periodic_then_notice(1775.0), POLICIES["sidecar+periodic-30"], 0)
+    assert (outcome.saves, outcome.lost_s, outcome.missed) == (1, 0.0, False)
+    assert outcome.idle_s == pytest.approx(1925.0 - 1810.0)
 
 
 def test_sidecar_drives_the_real_save_policy() -> None:

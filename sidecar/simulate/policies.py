@@ -127,26 +127,33 @@ class SidecarPolicy:
 
     Mirrors ``CheckpointGuard`` for one process without a reducer: both questions go to
     ``SavePolicy.evaluate`` (what the guard's ``_decide`` computes from the same policy
-    state), and ``record_save`` passes the budget of the decision that asked for the save.
+    state), and ``record_save`` passes the budget of the last "save now?" decision and
+    the deadline known then (the guard passes the deadline of its last decision).
     """
 
     def __init__(self, **options: Any) -> None:
         self.policy = SavePolicy(**options)
         self.last_decision: Optional[PolicyDecision] = None
+        self.last_save_decision: Optional[PolicyDecision] = None
+        self.decided_deadline_s: Optional[float] = None
 
     def record_step(self, seconds: float) -> None:
         self.policy.record_step(seconds)
 
     def should_save(self, now_s: float, deadline_s: Optional[float]) -> bool:
-        self.last_decision = self.policy.evaluate(now_s, deadline_s)
+        self.last_decision = self.last_save_decision = self.policy.evaluate(now_s, deadline_s)
+        self.decided_deadline_s = deadline_s
         return self.last_decision.save_now
 
     def record_save(self, seconds: float, started_s: float) -> None:
-        budget = None if self.last_decision is None else self.last_decision.budget_seconds
-        self.policy.record_save(seconds, started_unix=started_s, budget_seconds=budget)
+        asked = self.last_save_decision
+        budget = None if asked is None else asked.budget_seconds
+        self.policy.record_save(seconds, started_unix=started_s,
+                                deadline_unix=self.decided_deadline_s, budget_seconds=budget)
 
     def should_stop(self, now_s: float, deadline_s: Optional[float]) -> bool:
         self.last_decision = self.policy.evaluate(now_s, deadline_s)
+        self.decided_deadline_s = deadline_s
         return self.last_decision.stop
 
 
@@ -155,7 +162,9 @@ class SidecarWithPeriodicPolicy(SidecarPolicy):
 
     The usual deployment: periodic saves bound the loss when no deadline is ever known
     in time, and, being measured by the guard, they teach the policy the real save time
-    before the final save.
+    before the final save. A periodic save counts as the final save only when the
+    deadline was known and inside the rule's window when it started; otherwise a
+    deadline learned after it still gets its own save.
     """
 
     def __init__(self, interval_s: float, **options: Any) -> None:
@@ -197,7 +206,9 @@ POLICIES: dict[str, PolicyFactory] = {
                       "measured saves x1.2, 120 s margin), once per deadline, then stop",
                       SidecarPolicy),
         PolicyFactory("sidecar+periodic-30", "the sidecar plus a save every 30 min, all measured "
-                      "by the guard", lambda: SidecarWithPeriodicPolicy(30 * 60.0)),
+                      "by the guard; a periodic save is the final one only if the deadline was "
+                      "known and inside the window when it started",
+                      lambda: SidecarWithPeriodicPolicy(30 * 60.0)),
     )
 }
 
