@@ -156,8 +156,12 @@ def _progress(run: Run, total_steps: int, remaining: Optional[float]) -> str:
     parts.append(f"step {step}/{total_steps}")
     if run.loss is not None:
         parts.append(f"loss {run.loss:.4f}")
-    saved = run.saves[-1]["step"] + 1 if run.saves else None
-    parts.append(f"checkpoint: {'none' if saved is None else f'step {saved}'}")
+    if run.saves:
+        parts.append(f"checkpoint: step {run.saves[-1]['step'] + 1}")
+    elif run.resumed_from is not None:
+        parts.append(f"resumed from step {run.resumed_from + 1}")
+    else:
+        parts.append("checkpoint: none")
     if run.stopped_at is not None:
         parts.append("stopped, waiting for the reclaim")
     return " | ".join(parts)

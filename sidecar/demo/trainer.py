@@ -41,7 +41,7 @@ class TorchModel:
 
         self.torch = torch
         torch.manual_seed(seed)
-        self.target = torch.randn(FEATURES)
+        self.target = torch.randn(FEATURES) / FEATURES**0.5
         self.net = torch.nn.Sequential(
             torch.nn.Linear(FEATURES, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
         )
@@ -81,7 +81,7 @@ class PlainModel:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.target = [self.rng.gauss(0, 1) for _ in range(FEATURES)]
+        self.target = [self.rng.gauss(0, 1) / FEATURES**0.5 for _ in range(FEATURES)]
         self.weights = [0.0] * FEATURES
 
     def train_step(self) -> float:
