@@ -293,7 +293,8 @@ so only the ESI trigger is compared. `verl` uses `esi_redundant_time = 120 s`, t
 the ESI guide configures; `verl-r0` uses verl's own default, 0 s.
 `sidecar` is the real `sidecar.policy.SavePolicy` (not a copy), called as
 `CheckpointGuard` calls it: `record_step` after each step, `evaluate` for "save now?",
-`record_save` (with the deciding budget) after each save, `evaluate` again for "stop?".
+`record_save` (with the deciding budget and the deadline known when the save started)
+after each save, `evaluate` again for "stop?".
 
 ## Metrics (per reclaim, averaged over seeds)
 
@@ -334,14 +335,21 @@ the ESI guide configures; `verl-r0` uses verl's own default, 0 s.
   verl's repeated saves. When the release is extended after the job stopped, the
   machine idles until the new deadline unless something restarts the job; its save then
   ended before the new final window (saves in final window below 1), but nothing is lost.
-- A save covers every deadline up to one budget after it started, even a deadline the
-  job learned of only later. So with periodic saves, a periodic save that happened just
-  before a notice or a brought-forward release arrived makes the policy stop at once,
-  without saving the minute of work done since, though a save would still fit: these
-  are the few misses of `sidecar+periodic-30` on reference workloads (under 1 min lost).
+- A save covers deadlines (up to one budget after it started) only if it was made for
+  one: the deadline was known when the save started and already inside the rule's
+  window. A periodic save made before a notice or a brought-forward release arrived no
+  longer makes the policy stop at once: the minute of training done since gets its own
+  final save. Before this rule, that cost `sidecar+periodic-30` 3/200 misses on
+  `spot-notice-120s` and 1/200 on `brought-forward` (up to 1 min lost each); now 0. A
+  periodic save made inside the window is the final save, and a notice learned while a
+  save is being written needs no second save (nothing was trained since).
 - Short-lead notices: where the notice arrives too late for a step and a save, only a
   periodic save bounds the loss, hence `sidecar+periodic-30`.
 - Stress workloads: a save never measured is assumed to take 60 s (`save_seconds`);
   configure it, or let the guard measure periodic saves. A spike rarer than the step
   window (100 steps) is forgotten by the estimate; a longer `window` keeps it.
+  Both defaults are kept on purpose (see `sidecar/policy.py`): a larger assumed save
+  would stop every other job earlier for nothing, and a longer window would also keep a
+  one-off warm-up step in the budget, which the step times alone cannot tell from a
+  rare recurring spike.
 """.replace("{infeasible}", INFEASIBLE)
