@@ -29,6 +29,18 @@ EXAMPLES = {
     "log_level": "INFO",
     "expires_at": "2030-01-01T00:00:00Z",
     "timezone": "Asia/Shanghai",
+    "upload_from": "/mnt/ckpt/run-42",
+    "upload_to": "s3://my-bucket/run-42/node-0",
+    "upload_endpoint": "https://tos-s3-cn-beijing.volces.com",
+    "upload_region": "cn-beijing",
+    "upload_access_key": "AKLT...",
+    "upload_secret_key": "...",
+    "upload_concurrency": "8",
+    "upload_part_size": "64MiB",
+    "upload_keep_local": "2",
+    "upload_near_release": "600",
+    "upload_scan_interval": "5",
+    "upload_addressing_style": "auto",
 }
 
 HEADER = """\
@@ -57,7 +69,8 @@ def _help(option: Option) -> str:
 def env_example() -> str:
     parts = [HEADER]
     for option in OPTIONS:
-        lines = textwrap.wrap(f"{option.flag}: {_help(option)}", width=86, break_on_hyphens=False)
+        name = "(no flag)" if option.env_only else option.flag
+        lines = textwrap.wrap(f"{name}: {_help(option)}", width=86, break_on_hyphens=False)
         parts.append("\n" + "".join(f"# {line}\n" for line in lines))
         parts.append(f"#{option.env}={EXAMPLES.get(option.name, option.metavar)}\n")
     return "".join(parts)
@@ -67,7 +80,8 @@ def markdown_table() -> str:
     rows = ["| variable | flag | meaning |", "|---|---|---|"]
     for option in OPTIONS:
         meaning = _help(option).replace("|", "\\|")
-        rows.append(f"| `{option.env}` | `{option.flag}` | {meaning} |")
+        flag = "(environment only)" if option.env_only else f"`{option.flag}`"
+        rows.append(f"| `{option.env}` | {flag} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 

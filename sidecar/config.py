@@ -44,6 +44,19 @@ class Settings:
     log_level: str = "INFO"
     expires_at: Optional[str] = None
     naive_timezone: tzinfo = field(default=timezone.utc)
+    # Checkpoint upload (sidecar.upload, docs/upload.md): off unless upload_to is set.
+    upload_from: Optional[Path] = None
+    upload_to: Optional[str] = None  # s3://bucket/prefix, checked at start
+    upload_endpoint: Optional[str] = None
+    upload_region: Optional[str] = None
+    upload_access_key: Optional[str] = field(default=None, repr=False)  # never printed
+    upload_secret_key: Optional[str] = field(default=None, repr=False)
+    upload_concurrency: int = 8
+    upload_part_size: int = 64 << 20
+    upload_keep_local: Optional[int] = None
+    upload_near_release: float = 600.0
+    upload_scan_interval: float = 5.0
+    upload_addressing_style: str = "auto"
 
     @property
     def effective_stale_after(self) -> float:
@@ -108,6 +121,43 @@ def _url(text: str) -> str:
     return text
 
 
+def _positive_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError("must be an integer >= 1")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2,
+               "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+
+def _part_size(text: str) -> int:
+    """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
+    raw = text.strip().lower().replace(" ", "")
+    number = raw.rstrip("kmgib")
+    unit = raw[len(number):]
+    if unit not in _SIZE_UNITS or not number:
+        raise ValueError("expected a size such as 64MiB, 8MB or 16777216")
+    value = int(float(number) * _SIZE_UNITS[unit])
+    if not (5 << 20) <= value <= (5 << 30):
+        raise ValueError("must be between 5MiB and 5GiB (the S3 limits for one part)")
+    return value
+
+
+def _s3_url(text: str) -> str:
+    from sidecar.upload.location import parse_s3_url  # standard library only
+
+    return parse_s3_url(text).url
+
+
+def _addressing_style(text: str) -> str:
+    style = text.strip().lower()
+    if style not in ("auto", "path", "virtual"):
+        raise ValueError("must be auto, path or virtual")
+    return style
+
+
 def _log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -146,6 +196,7 @@ class Option:
     help: str
     metavar: str = "VALUE"
     repeatable: bool = False
+    env_only: bool = False  # secrets: a flag would show in `ps` and shell history
 
     @property
     def flag(self) -> str:
@@ -182,6 +233,33 @@ OPTIONS: tuple[Option, ...] = (
            "seconds / milliseconds", "TIME"),
     Option("timezone", _zone, "time zone for timestamps that carry no offset (default UTC)",
            "ZONE"),
+    Option("upload_from", Path, "checkpoint folder to upload from: the root that "
+           "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
+           "DIR"),
+    Option("upload_to", _s3_url, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 or "
+           "Volcengine TOS (one prefix per uploading host)", "s3://BUCKET/PREFIX"),
+    Option("upload_endpoint", _url, "S3 endpoint, e.g. https://tos-s3-cn-beijing.volces.com "
+           "for TOS (default: AWS S3)", "URL"),
+    Option("upload_region", _text, "signing region for the upload (default: from a TOS "
+           "endpoint's name, else boto3's chain, else us-east-1)"),
+    Option("upload_access_key", _text, "access key for the upload (default: boto3's chain: "
+           "AWS_ACCESS_KEY_ID, a profile, the instance role); environment only", "KEY",
+           env_only=True),
+    Option("upload_secret_key", _text, "secret key for the upload, with the access key; "
+           "environment only, never logged or served", "SECRET", env_only=True),
+    Option("upload_concurrency", _positive_int, "parts and files uploaded at once (default 8)",
+           "N"),
+    Option("upload_part_size", _part_size, "multipart part size, 5MiB-5GiB (default 64MiB)",
+           "SIZE"),
+    Option("upload_keep_local", _positive_int, "after an upload, delete local checkpoints "
+           "beyond the N newest that are durable in storage (default: delete nothing)", "N"),
+    Option("upload_near_release", _positive_seconds, "when the release is this close, an "
+           "older upload in progress yields to the newest checkpoint (default 600)",
+           "SECONDS"),
+    Option("upload_scan_interval", _positive_seconds, "rescan the checkpoint folder this "
+           "often besides inotify events (default 5)", "SECONDS"),
+    Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
+           "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE"),
 )
 
 # Option name -> Settings attribute, where they differ.
@@ -191,6 +269,8 @@ _ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every option as a flag. Defaults stay None so we can tell 'not given'."""
     for option in OPTIONS:
+        if option.env_only:
+            continue
         parser.add_argument(
             option.flag,
             dest=option.name,
@@ -222,7 +302,8 @@ def load_settings(
         try:
             values[_ATTRIBUTE.get(option.name, option.name)] = option.parse(str(raw))
         except (ValueError, TimestampError) as exc:
-            raise ConfigError(f"invalid {origin} value {str(raw)!r}: {exc}") from None
+            shown = "(hidden)" if option.env_only else repr(str(raw))
+            raise ConfigError(f"invalid {origin} value {shown}: {exc}") from None
     if "state_file" not in values and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (several paths are colon-separated).
         values["state_file"] = Path(environ["STATE_DIRECTORY"].split(":")[0]) / "state.json"
@@ -235,6 +316,16 @@ def _check(settings: Settings) -> None:
     if "static" in settings.sources and settings.expires_at is None:
         raise ConfigError(
             "the static source needs a deadline: --expires-at TIME or ESI_SIDECAR_EXPIRES_AT"
+        )
+    if (settings.upload_to is None) != (settings.upload_from is None):
+        raise ConfigError(
+            "upload needs both --upload-from DIR (ESI_SIDECAR_UPLOAD_FROM) and --upload-to "
+            "s3://BUCKET/PREFIX (ESI_SIDECAR_UPLOAD_TO)"
+        )
+    if (settings.upload_access_key is None) != (settings.upload_secret_key is None):
+        raise ConfigError(
+            "set both ESI_SIDECAR_UPLOAD_ACCESS_KEY and ESI_SIDECAR_UPLOAD_SECRET_KEY, or "
+            "neither (to use boto3's chain)"
         )
     if settings.effective_stale_after < settings.poll_interval:
         raise ConfigError(
