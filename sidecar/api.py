@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +28,18 @@ from sidecar import __version__
 from sidecar.models import decide
 from sidecar.store import Store
 
-__all__ = ["create_app"]
+__all__ = ["UploadsView", "create_app"]
+
+
+class UploadsView(Protocol):
+    """What the API reads of the checkpoint uploader (``sidecar.upload.status.
+    UploadTracker``); a protocol so this module imports nothing of the upload package."""
+
+    def body(self, now: Optional[float] = None, limit: int = 100) -> dict[str, Any]: ...
+
+    def summary(self, now: Optional[float] = None) -> dict[str, Any]: ...
+
+    def collect(self) -> list[Metric]: ...
 
 
 class ExpiryBody(BaseModel):
@@ -61,6 +72,20 @@ class HealthBody(BaseModel):
     status: str
     reason: Optional[str] = None
     sources: dict[str, Any] = {}
+    uploads: Optional[dict[str, Any]] = None  # informational: never turns /healthz 503
+
+
+class UploadsBody(BaseModel):
+    """Schema of ``GET /v1/uploads`` (docs/upload.md)."""
+
+    enabled: bool
+    status: Optional[str] = None  # ok | uploading | degraded
+    degraded: bool = False
+    error: Optional[str] = None
+    last_durable_step: Optional[int] = None
+    last_durable_name: Optional[str] = None
+    last_durable_at_unix: Optional[float] = None
+    checkpoints: list[dict[str, Any]] = []
 
 
 def _encode(body: Any) -> bytes:
@@ -84,6 +109,7 @@ def create_app(
     *,
     lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None,
     clock: Callable[[], float] = time.time,
+    uploads: Optional[UploadsView] = None,
 ) -> FastAPI:
     app = FastAPI(
         title="esi-sidecar",
@@ -142,13 +168,32 @@ def create_app(
             }
             for status in store.snapshot().sources
         }
-        body = {"status": health.status, "reason": health.reason, "sources": sources}
+        body: dict[str, Any] = {
+            "status": health.status, "reason": health.reason, "sources": sources,
+        }
+        if uploads is not None:
+            # Shown, not judged: the daemon's job (the deadline) works while storage is
+            # down, and a 503 here would make systemd or Kubernetes restart a daemon
+            # whose restart fixes nothing.
+            body["uploads"] = uploads.summary(now)
         return _json(body, 200 if health.ok else 503)
+
+    @app.get("/v1/uploads", response_model=UploadsBody,
+             summary="Checkpoint uploads: per checkpoint state, and the last durable step")
+    async def upload_status(
+        limit: int = Query(100, ge=0, le=1000, description="newest checkpoints to list"),
+    ) -> Response:
+        if uploads is None:
+            return _json({"enabled": False, "status": None, "degraded": False, "error": None,
+                          "last_durable_step": None, "checkpoints": []})
+        return _json(uploads.body(clock(), limit))
 
     app.add_middleware(_ExpiryFastPath, store=store, clock=clock)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(store, clock))
+    if uploads is not None:
+        registry.register(uploads)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:

@@ -13,7 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 from fastapi import FastAPI
@@ -39,6 +39,7 @@ class Daemon:
     store: Store
     poller: Poller
     app: FastAPI
+    uploader: Optional[Any] = None  # sidecar.upload.uploader.Uploader when configured
 
 
 def build_daemon(settings: Settings) -> Daemon:
@@ -47,10 +48,13 @@ def build_daemon(settings: Settings) -> Daemon:
     poller = Poller(
         sources, store, interval=settings.poll_interval, state_file=settings.state_file
     )
+    uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         poller.start()
+        if uploader is not None:
+            uploader.start()
         tasks = [asyncio.create_task(_announce_ready(poller, store))]
         interval = watchdog_interval()
         if interval is not None:
@@ -61,10 +65,25 @@ def build_daemon(settings: Settings) -> Daemon:
             notify("STOPPING=1")
             for task in tasks:
                 task.cancel()
+            if uploader is not None:
+                uploader.stop()  # an upload in progress restarts cleanly on the next start
             poller.stop()
             log.info("stopped; state flushed")
 
-    return Daemon(settings, store, poller, create_app(store, lifespan=lifespan))
+    app = create_app(store, lifespan=lifespan,
+                     uploads=uploader.tracker if uploader is not None else None)
+    return Daemon(settings, store, poller, app, uploader)
+
+
+def _build_uploader(settings: Settings, store: Store) -> Any:
+    """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
+    a daemon without upload settings never loads boto3."""
+    from sidecar.upload.uploader import uploader_from_settings
+
+    def remaining_seconds() -> Optional[float]:
+        return store.expiry().remaining_seconds
+
+    return uploader_from_settings(settings, remaining_seconds)
 
 
 async def _announce_ready(poller: Poller, store: Store) -> None:

@@ -1,0 +1,295 @@
+"""What the uploader is doing, for ``GET /v1/uploads``, ``/healthz`` and ``/metrics``.
+
+The tracker only holds state behind one lock, as the deadline store does: the uploader
+writes, the API reads frozen copies. Everything here is read at request or scrape time;
+nothing is registered in a global registry. No boto3 here: the API imports nothing of
+the upload machinery.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+__all__ = ["STATES", "UploadRecord", "UploadTracker"]
+
+# pending: waiting its turn; uploading; done: durable remotely (manifest written last);
+# failed: the last attempt failed, retried after a backoff; skipped: a newer checkpoint
+# is durable already, or the local folder went away before it could be uploaded.
+STATES = ("pending", "uploading", "done", "failed", "skipped")
+DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+KEEP_RECORDS = 200  # finished records kept for the status page; the oldest go first
+
+
+@dataclass(frozen=True)
+class UploadRecord:
+    """One local checkpoint as the uploader sees it (a copy; the tracker holds the truth)."""
+
+    name: str
+    step: int
+    created_at_unix: float
+    digest: str  # sha256 of the local MANIFEST.json: tells a re-save under the same name
+    bytes_total: int
+    file_count: int
+    state: str = "pending"
+    bytes_done: int = 0
+    attempts: int = 0
+    started_at_unix: Optional[float] = None
+    finished_at_unix: Optional[float] = None
+    duration_seconds: Optional[float] = None
+    error: Optional[str] = None
+    note: Optional[str] = None
+    retry_at_unix: Optional[float] = None
+
+    def newer_than(self, other: UploadRecord) -> bool:
+        return (self.step, self.created_at_unix) > (other.step, other.created_at_unix)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        duration = self.duration_seconds
+        if self.state == "uploading" and self.started_at_unix is not None:
+            duration = max(0.0, now - self.started_at_unix)
+        return {
+            "name": self.name,
+            "step": self.step,
+            "state": self.state,
+            "bytes_done": self.bytes_done,
+            "bytes_total": self.bytes_total,
+            "file_count": self.file_count,
+            "attempts": self.attempts,
+            "started_at_unix": self.started_at_unix,
+            "finished_at_unix": self.finished_at_unix,
+            "duration_seconds": duration,
+            "error": self.error,
+            "note": self.note,
+            "retry_in_seconds": (
+                None if self.retry_at_unix is None or self.state != "failed"
+                else max(0.0, self.retry_at_unix - now)
+            ),
+        }
+
+
+def _newest_first(record: UploadRecord) -> tuple[int, float, str]:
+    return (record.step, record.created_at_unix, record.name)
+
+
+class UploadTracker:
+    def __init__(
+        self,
+        *,
+        source: str,
+        destination: str,
+        endpoint: Optional[str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.source = source
+        self.destination = destination
+        self.endpoint = endpoint
+        self._records: dict[str, UploadRecord] = {}
+        self._durable: Optional[UploadRecord] = None
+        self._durable_at: Optional[float] = None
+        self._bytes_sent = 0
+        self._completed = 0
+        self._failures = 0
+        self._consecutive_failures = 0
+        self._error: Optional[str] = None
+        self._error_since: Optional[float] = None
+        self._durations = [0] * (len(DURATION_BUCKETS) + 1)
+        self._duration_sum = 0.0
+
+    # ------------------------------------------------------------------ writers
+
+    def put(self, record: UploadRecord) -> None:
+        with self._lock:
+            self._records[record.name] = record
+            self._trim()
+
+    def update(self, name: str, **changes: Any) -> Optional[UploadRecord]:
+        with self._lock:
+            old = self._records.get(name)
+            if old is None:
+                return None
+            new = replace(old, **changes)
+            self._records[name] = new
+            return new
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._records.pop(name, None)
+
+    def add_progress(self, name: str, count: int) -> None:
+        """Bytes sent for ``name`` (negative when boto3 rewinds a retried part)."""
+        with self._lock:
+            self._bytes_sent += max(0, count)
+            old = self._records.get(name)
+            if old is not None:
+                self._records[name] = replace(old, bytes_done=max(0, old.bytes_done + count))
+
+    def record_done(self, name: str, *, duration: Optional[float], note: Optional[str]) -> None:
+        """``name`` is durable remotely: its manifest is there and matches ours."""
+        now = self._clock()
+        with self._lock:
+            old = self._records.get(name)
+            if old is None:
+                return
+            new = replace(
+                old, state="done", bytes_done=old.bytes_total, finished_at_unix=now,
+                duration_seconds=duration, error=None, note=note, retry_at_unix=None,
+            )
+            self._records[name] = new
+            if duration is not None:
+                self._completed += 1
+                self._duration_sum += duration
+                index = next((i for i, bound in enumerate(DURATION_BUCKETS) if duration <= bound),
+                             len(DURATION_BUCKETS))
+                self._durations[index] += 1
+            if self._durable is None or new.newer_than(self._durable):
+                self._durable, self._durable_at = new, now
+            self._consecutive_failures = 0
+            self._error = self._error_since = None
+
+    def record_failure(self, name: Optional[str], error: str, *, retry_at: float) -> int:
+        """A failed attempt (or a failed storage call outside one). Returns the number of
+        failures in a row, for the backoff."""
+        now = self._clock()
+        with self._lock:
+            self._failures += 1
+            self._consecutive_failures += 1
+            if self._error_since is None:
+                self._error_since = now
+            self._error = error
+            old = self._records.get(name) if name is not None else None
+            if old is not None:
+                self._records[name] = replace(  # type: ignore[index]
+                    old, state="failed", error=error, retry_at_unix=retry_at,
+                    duration_seconds=(None if old.started_at_unix is None
+                                      else max(0.0, now - old.started_at_unix)),
+                )
+            return self._consecutive_failures
+
+    def storage_ok(self) -> None:
+        """A storage call succeeded: no longer degraded."""
+        with self._lock:
+            self._consecutive_failures = 0
+            self._error = self._error_since = None
+
+    def _trim(self) -> None:
+        if len(self._records) <= KEEP_RECORDS:
+            return
+        finished = sorted(
+            (r for r in self._records.values() if r.state in ("done", "skipped")),
+            key=_newest_first,
+        )
+        for record in finished[: len(self._records) - KEEP_RECORDS]:
+            del self._records[record.name]
+
+    # ------------------------------------------------------------------ readers
+
+    def get(self, name: str) -> Optional[UploadRecord]:
+        with self._lock:
+            return self._records.get(name)
+
+    def records(self) -> list[UploadRecord]:
+        """Every record, newest first."""
+        with self._lock:
+            records = list(self._records.values())
+        return sorted(records, key=_newest_first, reverse=True)
+
+    def last_durable(self) -> Optional[UploadRecord]:
+        with self._lock:
+            return self._durable
+
+    @property
+    def degraded(self) -> bool:
+        with self._lock:
+            return self._consecutive_failures > 0
+
+    def summary(self, now: Optional[float] = None) -> dict[str, Any]:
+        """The short form, also shown in ``/healthz`` (which upload trouble never fails)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            durable, durable_at = self._durable, self._durable_at
+            error, since = self._error, self._error_since
+            failures = self._consecutive_failures
+            uploading = any(r.state == "uploading" for r in self._records.values())
+            waiting = sum(r.state in ("pending", "failed") for r in self._records.values())
+        status = "degraded" if failures else ("uploading" if uploading else "ok")
+        return {
+            "status": status,
+            "degraded": bool(failures),
+            "error": error,
+            "degraded_for_seconds": None if since is None else max(0.0, now - since),
+            "consecutive_failures": failures,
+            "waiting": waiting,
+            "last_durable_step": durable.step if durable else None,
+            "last_durable_name": durable.name if durable else None,
+            "last_durable_at_unix": durable_at,
+        }
+
+    def body(self, now: Optional[float] = None, limit: int = 100) -> dict[str, Any]:
+        """The ``GET /v1/uploads`` body: the summary, then the newest ``limit`` records."""
+        now = self._clock() if now is None else now
+        records = self.records()
+        return {
+            "enabled": True,
+            "source": self.source,
+            "destination": self.destination,
+            "endpoint": self.endpoint,
+            **self.summary(now),
+            "checkpoints": [r.to_json(now) for r in records[: max(0, limit)]],
+            "server_time_unix": now,
+        }
+
+    def collect(self) -> list[Metric]:
+        """Prometheus metrics at scrape time (the API registers the tracker itself)."""
+        with self._lock:
+            records = list(self._records.values())
+            durable, durable_at = self._durable, self._durable_at
+            sent, completed, failures = self._bytes_sent, self._completed, self._failures
+            degraded = self._consecutive_failures > 0
+            counts, total = list(self._durations), self._duration_sum
+        sent_metric = CounterMetricFamily(
+            "esi_sidecar_upload_bytes", "Checkpoint bytes sent to storage (retries included)")
+        sent_metric.add_metric([], sent)
+        completed_metric = CounterMetricFamily(
+            "esi_sidecar_upload_completed", "Checkpoints uploaded completely (manifest written)")
+        completed_metric.add_metric([], completed)
+        failure_metric = CounterMetricFamily(
+            "esi_sidecar_upload_failures", "Failed upload attempts and storage calls")
+        failure_metric.add_metric([], failures)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, DURATION_BUCKETS), "+Inf"), counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        durations = HistogramMetricFamily(
+            "esi_sidecar_upload_duration_seconds", "Time to upload one checkpoint completely",
+            buckets=buckets, sum_value=total)
+        by_state = GaugeMetricFamily(
+            "esi_sidecar_upload_checkpoints", "Local checkpoints by upload state",
+            labels=["state"])
+        for state in STATES:
+            by_state.add_metric([state], sum(r.state == state for r in records))
+        step = GaugeMetricFamily(
+            "esi_sidecar_upload_last_durable_step",
+            "Step of the newest checkpoint complete in storage (absent before the first)")
+        stamp = GaugeMetricFamily(
+            "esi_sidecar_upload_last_durable_timestamp_seconds",
+            "Unix time the newest durable checkpoint became complete in storage")
+        if durable is not None and durable_at is not None:
+            step.add_metric([], durable.step)
+            stamp.add_metric([], durable_at)
+        degraded_metric = GaugeMetricFamily(
+            "esi_sidecar_upload_degraded", "1 while storage calls are failing")
+        degraded_metric.add_metric([], 1.0 if degraded else 0.0)
+        return [sent_metric, completed_metric, failure_metric, durations, by_state, step, stamp,
+                degraded_metric]
