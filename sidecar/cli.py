@@ -1,4 +1,4 @@
-"""``esi-sidecar``: serve, status, check, env, emulate.
+"""``esi-sidecar``: serve, status, check, env, emulate, restore.
 
 Only ``serve`` and ``emulate`` need the ``[server]`` extra; ``status``, ``check`` and
 ``env`` use the stdlib client, so they also work inside a training container that has
@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Optional
 
 from sidecar import __version__
@@ -209,6 +210,66 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Fetch the newest complete remote checkpoint into a folder (docs/upload.md)."""
+    try:
+        from sidecar.upload.location import parse_s3_url
+        from sidecar.upload.restore import RestoreError, restore
+        from sidecar.upload.storage import StorageConfig
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): pip install boto3, "
+              "or pip install 'esi-sidecar[server]'", file=sys.stderr)
+        return EXIT_USAGE
+    env = os.environ
+    source = args.source or env.get("ESI_SIDECAR_UPLOAD_TO")
+    target = args.to or env.get("ESI_SIDECAR_UPLOAD_FROM")
+    if not source or not target:
+        print("esi-sidecar restore: give --from s3://BUCKET/PREFIX and --to DIR (or set "
+              "ESI_SIDECAR_UPLOAD_TO and ESI_SIDECAR_UPLOAD_FROM)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        location = parse_s3_url(source)
+    except ValueError as exc:
+        print(f"esi-sidecar restore: invalid --from {source!r}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    endpoint = args.endpoint or env.get("ESI_SIDECAR_UPLOAD_ENDPOINT") or None
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        print(f"esi-sidecar restore: invalid --endpoint {endpoint!r}: must start with http:// "
+              "or https://", file=sys.stderr)
+        return EXIT_USAGE
+    access_key = env.get("ESI_SIDECAR_UPLOAD_ACCESS_KEY") or None
+    secret_key = env.get("ESI_SIDECAR_UPLOAD_SECRET_KEY") or None
+    if (access_key is None) != (secret_key is None):
+        print("esi-sidecar restore: set both ESI_SIDECAR_UPLOAD_ACCESS_KEY and "
+              "ESI_SIDECAR_UPLOAD_SECRET_KEY, or neither", file=sys.stderr)
+        return EXIT_USAGE
+    storage = StorageConfig(
+        endpoint=endpoint.rstrip("/") if endpoint else None,
+        region=args.region or env.get("ESI_SIDECAR_UPLOAD_REGION") or None,
+        access_key=access_key,
+        secret_key=secret_key,
+        addressing_style=args.addressing_style,
+        concurrency=args.concurrency,
+    )
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        restored = restore(storage, location, Path(target), step=args.step,
+                           verify_checksums=not args.no_verify)
+    except RestoreError as exc:
+        print(f"esi-sidecar restore: {exc}", file=sys.stderr)
+        return exc.exit_code
+    info = restored.info
+    if restored.already_present:
+        print(f"{info.path} is already the newest complete checkpoint (step {info.step}); "
+              "nothing downloaded")
+    else:
+        print(f"restored {info.name} (step {info.step}, {info.total_bytes} bytes, "
+              f"{len(info.files)} files) from {restored.source} into {info.path} "
+              f"in {restored.seconds:.1f} s")
+    return 0
+
+
 def _missing_server_extra(exc: ImportError) -> int:
     print(f"esi-sidecar: the daemon needs the server extra ({exc.name} is missing): "
           "pip install 'esi-sidecar[server]'", file=sys.stderr)
@@ -307,6 +368,35 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--release-at", metavar="TIME", help="release at this time "
                       "(served verbatim as AutoReleaseAt)")
     emulate.set_defaults(func=cmd_emulate)
+
+    restore = commands.add_parser(
+        "restore",
+        help="download the newest complete checkpoint from S3 / TOS (needs boto3)",
+        description="Fetch the newest remote checkpoint whose MANIFEST.json exists (the "
+        "uploader writes it last), verify every file against it and commit it into DIR so "
+        "latest_valid(DIR) finds it. Credentials: ESI_SIDECAR_UPLOAD_ACCESS_KEY/_SECRET_KEY "
+        "or boto3's chain (AWS_ACCESS_KEY_ID, ...). Exit 0: restored (or already there); "
+        "3: no complete checkpoint (a fresh start); 1: failed; 2: usage error.",
+    )
+    restore.add_argument("--from", dest="source", metavar="s3://BUCKET/PREFIX",
+                         help="where the uploader put them (default $ESI_SIDECAR_UPLOAD_TO)")
+    restore.add_argument("--to", metavar="DIR", help="local checkpoint root (default "
+                         "$ESI_SIDECAR_UPLOAD_FROM)")
+    restore.add_argument("--endpoint", metavar="URL", help="S3 endpoint, e.g. "
+                         "https://tos-s3-cn-beijing.volces.com (default "
+                         "$ESI_SIDECAR_UPLOAD_ENDPOINT, else AWS S3)")
+    restore.add_argument("--region", help="signing region (default $ESI_SIDECAR_UPLOAD_REGION,"
+                         " else from a TOS endpoint's name)")
+    restore.add_argument("--step", type=int, metavar="N",
+                         help="this step instead of the newest")
+    restore.add_argument("--concurrency", type=int, default=8, metavar="N",
+                         help="parallel downloads (default 8)")
+    restore.add_argument("--addressing-style", choices=("auto", "path", "virtual"),
+                         default="auto", help="S3 addressing style (default auto)")
+    restore.add_argument("--no-verify", action="store_true",
+                         help="skip the sha256 check (sizes are always checked)")
+    restore.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    restore.set_defaults(func=cmd_restore)
 
     from sidecar.demo import add_demo_command
     from sidecar.simulate import add_simulate_command
