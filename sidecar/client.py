@@ -69,6 +69,7 @@ ENV_DEADLINE_VARIABLES = (
     "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
 )
 EXPIRY_PATH = "/v1/expiry"
+UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
 # /v1/expiry is a few hundred bytes; anything much larger is not our daemon.
 _MAX_BODY_BYTES = 64 * 1024
 _USER_AGENT = "esi-sidecar-client"
@@ -259,6 +260,58 @@ class SidecarClient:
         """The earliest ``expires_at_unix`` across the daemons, or None (none / no answer)."""
         answer = self.expiry()
         return None if answer is None else answer.expires_at_unix
+
+    def _durable_steps(self) -> Optional[list[Optional[int]]]:
+        """``last_durable_step`` of every daemon that uploads (``GET /v1/uploads``); None
+        when any daemon did not answer properly (``last_error`` says why)."""
+        steps: list[Optional[int]] = []
+        errors: list[str] = []
+        for endpoint in self._endpoints:
+            try:
+                body = endpoint.get_json(UPLOADS_PATH)
+                if not isinstance(body, dict):
+                    raise _FetchError(f"{endpoint.url}: bad {UPLOADS_PATH} body")
+                if not body.get("enabled"):
+                    continue
+                step = body.get("last_durable_step")
+                if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+                    raise _FetchError(f"{endpoint.url}: bad last_durable_step {step!r}")
+                steps.append(step)
+            except _FetchError as exc:
+                errors.append(str(exc))
+            except Exception as exc:  # never into the training loop, whatever it was
+                endpoint.close()
+                errors.append(f"{endpoint.url}: {_describe_error(exc, self.timeout)}")
+        self.last_error = "; ".join(errors) or None
+        return None if errors else steps
+
+    def last_durable_step(self) -> Optional[int]:
+        """The step of the newest checkpoint the daemon's uploader made durable in storage
+        (its remote manifest is written). Never raises.
+
+        With several daemons (one per node, each uploading its own files), the smallest
+        among those that upload: a step is durable only when every node's part is. None
+        when nothing is durable yet, no daemon uploads, or a daemon did not answer.
+        """
+        steps = self._durable_steps()
+        if not steps or any(step is None for step in steps):
+            return None
+        return min(step for step in steps if step is not None)
+
+    def is_durable(self, step: int) -> Optional[bool]:
+        """Is a checkpoint at ``step`` or newer durable in storage? Never raises.
+
+        True or False when the uploader(s) answered; None when unknown (no daemon
+        uploads, or one did not answer). Once a newer checkpoint is durable the uploader
+        skips older ones, so this asks "is my progress up to ``step`` safe", not "was
+        that exact folder uploaded".
+        """
+        steps = self._durable_steps()
+        if not steps:
+            return None
+        if any(durable is None for durable in steps):
+            return False
+        return min(durable for durable in steps if durable is not None) >= step
 
     def close(self) -> None:
         for endpoint in self._endpoints:
