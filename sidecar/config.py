@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta, timezone, tzinfo
@@ -134,12 +135,10 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**
 
 def _part_size(text: str) -> int:
     """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
-    raw = text.strip().lower().replace(" ", "")
-    number = raw.rstrip("kmgib")
-    unit = raw[len(number):]
-    if unit not in _SIZE_UNITS or not number:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text.strip().lower().replace(" ", ""))
+    if match is None or match.group(2) not in _SIZE_UNITS:
         raise ValueError("expected a size such as 64MiB, 8MB or 16777216")
-    value = int(float(number) * _SIZE_UNITS[unit])
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
     if not (5 << 20) <= value <= (5 << 30):
         raise ValueError("must be between 5MiB and 5GiB (the S3 limits for one part)")
     return value

@@ -150,10 +150,10 @@ def restore(
     except Exception as exc:
         raise RestoreError(describe_error(exc, storage, f"listing {location}")) from None
     if found is None:
-        which = f"at step {step}" if step is not None else "complete"
+        which = "complete checkpoint" if step is None else f"complete checkpoint at step {step}"
         extra = f" ({incomplete} folder(s) without a manifest: unfinished uploads)" \
             if incomplete else ""
-        raise RestoreError(f"no {which} checkpoint under {location}{extra}", EXIT_NOTHING)
+        raise RestoreError(f"no {which} under {location}{extra}", EXIT_NOTHING)
     source = location.url.rstrip("/") + "/" + found.name + "/"
     root.mkdir(parents=True, exist_ok=True)
     target = root / found.name

@@ -119,6 +119,7 @@ def _wait(
         finished.clear()
         reason = should_stop()
         if reason is not None:
+            _phase("cancelling", reason)
             for future in futures:
                 future.cancel()  # boto3 aborts the multipart uploads it started
             raise Cancelled(reason)
