@@ -95,6 +95,18 @@ def _checkpoint(quick: bool) -> dict[str, Any]:
     return result
 
 
+def _upload(quick: bool) -> dict[str, Any]:
+    # benchmarks/bench_upload.py: `main(quick) -> dict`; needs boto3 and moto[server].
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as exc:
+        raise NotRun(f"{exc.name} is not installed (the [server] and [test] extras)") from None
+    from benchmarks import bench_upload
+
+    return bench_upload.main(quick=quick)
+
+
 BENCHMARKS = (
     Benchmark("throughput", "daemon /v1/expiry throughput and latency vs bare uvicorn",
               _throughput),
@@ -104,6 +116,8 @@ BENCHMARKS = (
     Benchmark("footprint", "daemon memory, idle CPU, start-up, install size", _footprint),
     Benchmark("checkpoint", "atomic_checkpoint vs torch.save (benchmarks/bench_checkpoint.py)",
               _checkpoint),
+    Benchmark("upload", "checkpoint upload: the uploader vs boto3 upload_file, to moto on "
+              "loopback", _upload),
 )
 
 
