@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU build of torch first, so the framework extras do not pull a CUDA build.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[server,test,frameworks,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[server,test,frameworks,simulate,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import sysconfig
 import time
@@ -383,8 +384,14 @@ def test_old_python_and_missing_venv_module_exit_2(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv(1) to run install.sh as another user")
 def test_refuses_to_install_without_root_but_stages_with_root_dir() -> None:
+    # A copy nobody can read: the checkout may sit under a folder only root may enter.
+    public = Path(tempfile.mkdtemp(prefix="esi-install-"))
+    public.chmod(0o755)
+    script = public / "install.sh"
+    shutil.copy(INSTALL_SH, script)
+    script.chmod(0o755)
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                 "bash", str(INSTALL_SH)]
+                 "bash", str(script)]
     result = subprocess.run(as_nobody, capture_output=True, text=True, timeout=60,
                             env=clean_environ())
     assert result.returncode == 2
@@ -392,6 +399,7 @@ def test_refuses_to_install_without_root_but_stages_with_root_dir() -> None:
     # With a staging root the root check passes; the next check (the interpreter) speaks.
     staged = subprocess.run([*as_nobody, "--root", "/tmp", "--python", "/nonexistent/python3"],
                             capture_output=True, text=True, timeout=60, env=clean_environ())
+    shutil.rmtree(public)
     assert staged.returncode == 2 and "no Python interpreter" in staged.stderr
 
 

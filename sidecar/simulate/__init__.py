@@ -97,6 +97,13 @@ def simulate_command(args: argparse.Namespace) -> int:
         for policy in POLICIES.values():
             print(f"  {policy.name:20} {policy.description}")
         return 0
+    if args.out is not None and args.plot:
+        try:
+            import matplotlib  # noqa: F401  - checked before minutes of simulating
+        except ImportError:
+            print("esi-sidecar simulate: the plot needs matplotlib: "
+                  "pip install 'esi-sidecar[simulate]' (or pass --no-plot)", file=sys.stderr)
+            return 2
     workloads = args.workload or list(WORKLOADS)
     policies = args.policy or list(POLICIES)
     label = f"simulating {len(workloads)} workloads x {len(policies)} policies x {args.seeds} seeds"
