@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from sidecar import __version__
 from sidecar.models import decide
-from sidecar.store import Store
+from sidecar.store import Store, build_expiry, build_health
 
 __all__ = ["UploadsView", "create_app"]
 
@@ -158,7 +158,8 @@ def create_app(
     )
     async def healthz() -> Response:
         now = clock()
-        health = store.health(now)
+        snapshot = store.snapshot()  # one read: the verdict and the details agree
+        health = build_health(snapshot, now)
         sources = {
             status.name: {
                 "last_success_age_seconds": status.age(now),
@@ -166,7 +167,7 @@ def create_app(
                 "error": status.error,
                 "consecutive_failures": status.consecutive_failures,
             }
-            for status in store.snapshot().sources
+            for status in snapshot.sources
         }
         body: dict[str, Any] = {
             "status": health.status, "reason": health.reason, "sources": sources,
@@ -235,8 +236,8 @@ class _StoreCollector:
 
     def collect(self) -> list[Metric]:
         now = self._clock()
-        snapshot = self._store.snapshot()
-        current = self._store.expiry(now)
+        snapshot = self._store.snapshot()  # one read for every metric of this scrape
+        current = build_expiry(snapshot, now)
         remaining = GaugeMetricFamily(
             "esi_sidecar_remaining_seconds",
             "Seconds until the earliest known deadline (absent when none is known)",
@@ -268,5 +269,5 @@ class _StoreCollector:
                 last_success.add_metric([status.name], status.observed_at_unix)
             failures.add_metric([status.name], status.consecutive_failures)
         healthy = GaugeMetricFamily("esi_sidecar_healthy", "1 when /healthz answers 200")
-        healthy.add_metric([], 1.0 if self._store.health(now).ok else 0.0)
+        healthy.add_metric([], 1.0 if build_health(snapshot, now).ok else 0.0)
         return [remaining, deadline, stale, polls, last_success, failures, healthy]

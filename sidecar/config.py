@@ -75,6 +75,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); ValueError with a plain reason."""
     text = text.strip()
     if text.startswith("["):  # [::1]:8791
         host, sep, port = text[1:].partition("]:")
@@ -86,6 +87,8 @@ def parse_address(text: str) -> tuple[str, int]:
             raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8791")
     if not host:
         raise ValueError("the host is empty (use 0.0.0.0 to listen everywhere)")
+    if not port.isdigit():
+        raise ValueError(f"the port must be a number, got {port!r}")
     number = int(port)
     if not 0 <= number <= 65535:
         raise ValueError("port out of range")
@@ -326,8 +329,10 @@ def _check(settings: Settings) -> None:
             "set both ESI_SIDECAR_UPLOAD_ACCESS_KEY and ESI_SIDECAR_UPLOAD_SECRET_KEY, or "
             "neither (to use boto3's chain)"
         )
-    if settings.effective_stale_after < settings.poll_interval:
+    # Successful polls come every interval +-10 %: a bound under 1.2 x the interval would
+    # flap to stale between two healthy polls.
+    if settings.effective_stale_after < 1.2 * settings.poll_interval:
         raise ConfigError(
-            f"--stale-after ({settings.effective_stale_after:g} s) is shorter than "
-            f"--poll-interval ({settings.poll_interval:g} s): every answer would be stale"
+            f"--stale-after ({settings.effective_stale_after:g} s) must be at least 1.2 x "
+            f"--poll-interval ({settings.poll_interval:g} s), or answers flap to stale"
         )

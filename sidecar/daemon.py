@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ __all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]
 log = logging.getLogger("sidecar.daemon")
 
 READY_TIMEOUT_SECONDS = 60.0
-SHUTDOWN_GRACE_SECONDS = 3.0  # plus the poller's join: well inside systemd's 5 s budget
+# Stopping: uvicorn's grace for open requests, then one shared budget for joining the
+# uploader and the poll threads. Together well inside the unit's TimeoutStopSec=10.
+SHUTDOWN_GRACE_SECONDS = 2.0
+SHUTDOWN_JOIN_SECONDS = 3.0
 
 
 @dataclass
@@ -65,9 +69,15 @@ def build_daemon(settings: Settings) -> Daemon:
             notify("STOPPING=1")
             for task in tasks:
                 task.cancel()
+            stop_by = time.monotonic() + SHUTDOWN_JOIN_SECONDS
+            poller.request_stop()  # both wind down at once; the joins share one budget
+
+            def left() -> float:
+                return max(0.1, stop_by - time.monotonic())
+
             if uploader is not None:
-                uploader.stop()  # an upload in progress restarts cleanly on the next start
-            poller.stop()
+                uploader.stop(timeout=left())  # an upload in progress restarts cleanly
+            poller.stop(timeout=left())
             log.info("stopped; state flushed")
 
     app = create_app(store, lifespan=lifespan,

@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-__all__ = ["KIND_PREEMPTION", "KIND_SCHEDULED_RELEASE", "Decision", "Expiry", "decide"]
+__all__ = [
+    "KIND_PREEMPTION",
+    "KIND_SCHEDULED_RELEASE",
+    "Decision",
+    "Expiry",
+    "Observation",
+    "decide",
+]
 
 KIND_SCHEDULED_RELEASE = "scheduled-release"
 KIND_PREEMPTION = "preemption-notice"
@@ -45,6 +52,20 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"field {key!r} is not a boolean: {value!r}")
     return value
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One successful poll of a source; ``expires_at_unix`` is None when no release is
+    scheduled. Defined here, not in ``sidecar.sources``, so the store and the API need
+    nothing from the sources."""
+
+    expires_at_unix: Optional[float]
+    kind: Optional[str] = None
+    instance_id: Optional[str] = None
+    scheduled_instance_id: Optional[str] = None
+    # Set when the source gave a timestamp without an offset and we assumed this zone.
+    assumed_timezone: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.sources.base import Observation, Source, SourceError
+from sidecar.sources.base import Observation, Source, SourceError, where
 from sidecar.store import Store
 from sidecar.timeparse import format_rfc3339
 
@@ -88,9 +88,13 @@ class Poller:
             failures = self._failures(source.name)
             delay = next_delay(self._interval, failures, throttled=exc.throttled, rng=self._rng)
         except Exception as exc:  # a bug in a source must not kill its thread
-            message = _one_line(f"{type(exc).__name__}: {exc}")
+            # Only the type and the place: a source scrubs secrets from its SourceErrors,
+            # but an unexpected exception's text is unvetted, so it is neither served nor
+            # logged.
+            kind = type(exc).__name__
+            message = f"internal error in the {source.name} source: {kind} {where(exc)}"
             self._store.record_failure(source.name, message)
-            log.exception("source %s raised unexpectedly", source.name)
+            log.error("%s; please report it", message)
             self._last_logged_error[source.name] = message
             delay = next_delay(self._interval, self._failures(source.name), rng=self._rng)
         else:
@@ -140,8 +144,13 @@ class Poller:
         """True while every poll thread runs (the systemd watchdog pings only then)."""
         return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
 
+    def request_stop(self) -> None:
+        """Ask the loops to end after their current poll, without waiting."""
+        self._stop.set()
+
     def stop(self, timeout: float = 4.0) -> None:
-        """Stop the loops (a poll in flight is bounded by the source's own timeout)."""
+        """Stop the loops and flush the state file. A poll in flight is not waited for
+        past ``timeout`` (its threads are daemons; the SDK's own timeout bounds it)."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         for thread in self._threads:

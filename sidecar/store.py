@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from sidecar.models import Expiry
-from sidecar.sources.base import Observation
+from sidecar.models import Expiry, Observation
 from sidecar.timeparse import format_rfc3339
 
 __all__ = ["OUTCOMES", "Health", "Snapshot", "SourceStatus", "Store"]

@@ -171,7 +171,7 @@ def test_fast_path_answers_exactly_like_the_routed_handler() -> None:
     from fastapi.routing import APIRoute
 
     from sidecar.api import ExpiryBody, create_app
-    from sidecar.sources.base import Observation
+    from sidecar.models import Observation
     from sidecar.store import Store
 
     store = Store(["static"], stale_after=90, clock=lambda: 1000.0)

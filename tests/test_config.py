@@ -81,6 +81,8 @@ def test_time_zone_names_and_offsets() -> None:
         ({"source": ["static"], "expires_at": "soon"}, {}, "--expires-at value 'soon'"),
         ({"source": ["static"]}, {}, "--expires-at"),
         ({"poll_interval": "60", "stale_after": "10"}, {}, "--stale-after"),
+        ({"poll_interval": "60", "stale_after": "65"}, {}, "at least 1.2 x"),
+        ({"listen": ["127.0.0.1:abc"]}, {}, "the port must be a number"),
     ],
 )
 def test_bad_values_stop_with_one_line_naming_the_setting(

@@ -22,9 +22,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.error
 import urllib.request

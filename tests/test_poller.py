@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.models import Observation
 from sidecar.poller import Poller, load_state, next_delay, save_state
-from sidecar.sources.base import Observation
 from sidecar.sources.env import EnvSource
 from sidecar.store import Store
 
@@ -130,3 +130,24 @@ def test_start_and_stop_promptly() -> None:
     poller.stop(timeout=2)
     assert not any(t.is_alive() for t in threads)
     assert store.expiry().expires_at_unix == 1900000000
+
+
+class BrokenSource:
+    """A source with a bug: it raises something other than SourceError."""
+
+    name = "env"
+
+    def poll(self) -> Observation:
+        raise RuntimeError("token=AKLTsecret123 leaked into a message")
+
+
+def test_a_buggy_source_is_reported_by_type_and_place_never_by_its_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Store(["env"], stale_after=90)
+    poller = Poller([BrokenSource()], store, interval=30, rng=random.Random(0))
+    delay = poller.poll_once(BrokenSource())
+    assert delay < 30  # backing off, the thread lives on
+    error = store.expiry().error or ""
+    assert "RuntimeError" in error and "test_poller.py:" in error
+    assert "AKLTsecret123" not in error and "AKLTsecret123" not in caplog.text

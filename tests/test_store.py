@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from sidecar.sources.base import Observation
+from sidecar.models import Observation
 from sidecar.store import Store
 
 RELEASE = 2_000_000_000.0

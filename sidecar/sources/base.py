@@ -6,22 +6,13 @@ backoff and the staleness. One module per source; ``sidecar.sources`` maps names
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+import traceback
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Observation", "Source", "SourceError"]
+from sidecar.models import Observation
 
-
-@dataclass(frozen=True)
-class Observation:
-    """One successful poll. ``expires_at_unix`` is None when no release is scheduled."""
-
-    expires_at_unix: Optional[float]
-    kind: Optional[str] = None
-    instance_id: Optional[str] = None
-    scheduled_instance_id: Optional[str] = None
-    # Set when the source gave a timestamp without an offset and we assumed this zone.
-    assumed_timezone: Optional[str] = None
+__all__ = ["Observation", "Source", "SourceError", "where"]
 
 
 class SourceError(Exception):
@@ -34,6 +25,13 @@ class SourceError(Exception):
     def __init__(self, message: str, *, throttled: bool = False) -> None:
         super().__init__(message)
         self.throttled = throttled
+
+
+def where(exc: BaseException) -> str:
+    """``(at file.py:123)`` for the innermost frame of an unexpected exception: enough to
+    find the bug, with none of the exception's text (which may carry credentials)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"(at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
 @runtime_checkable

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from sidecar.models import KIND_SCHEDULED_RELEASE
-from sidecar.sources.base import Observation, SourceError
+from sidecar.sources.base import Observation, SourceError, where
 from sidecar.timeparse import ParsedTime, TimestampError, parse_timestamp
 
 __all__ = ["DEFAULT_METADATA_URL", "VolcengineEsiSource", "from_settings"]
@@ -114,10 +114,11 @@ class VolcengineEsiSource:
             except SourceError as exc:
                 raise SourceError(self._clean(str(exc)), throttled=exc.throttled) from None
             except Exception as exc:
-                # A bug here must not take the poller down; say so loudly, once per poll.
-                logger.warning("unexpected error in the %s source", self.name, exc_info=True)
-                message = f"unexpected {type(exc).__name__}: {exc}"
-                raise SourceError(self._clean(message)) from None
+                # A bug here must not take the poller down. Say where, but never log the
+                # raw exception or its traceback text: the SDK's may carry credentials.
+                message = self._clean(f"unexpected {type(exc).__name__}: {exc} {where(exc)}")
+                logger.warning("%s source: %s", self.name, message)
+                raise SourceError(message) from None
 
     def _poll(self) -> Observation:
         if self._region is None:
