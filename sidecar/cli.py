@@ -1,8 +1,9 @@
-"""``esi-sidecar``: serve, status, check, env, emulate, restore.
+"""``esi-sidecar``: serve, status, check, env, emulate, restore, demo, simulate.
 
-Only ``serve`` and ``emulate`` need the ``[server]`` extra; ``status``, ``check`` and
-``env`` use the stdlib client, so they also work inside a training container that has
-only the base install. Server modules are imported inside the commands that need them.
+``serve``, ``emulate``, ``restore`` and ``demo`` need the ``[server]`` extra; ``status``,
+``check`` and ``env`` use the stdlib client, so they also work inside a training
+container that has only the base install. Server modules are imported inside the
+commands that need them.
 """
 
 from __future__ import annotations
@@ -77,19 +78,22 @@ def describe(expiry: Expiry) -> list[str]:
 # ---------------------------------------------------------------------- commands
 
 
-def _client(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from sidecar.client import SidecarClient
-
-    return SidecarClient(args.url, timeout=args.timeout)
+class UsageError(Exception):
+    """A bad argument found after parsing: one line on stderr, exit 2."""
 
 
 def _fetch(args: argparse.Namespace) -> Optional[Expiry]:
-    client = _client(args)
+    from sidecar.client import SidecarClient
+
+    try:
+        client = SidecarClient(args.url, timeout=args.timeout)
+    except ValueError as exc:
+        raise UsageError(f"--url: {exc}") from None
     expiry = client.expiry()
     if expiry is None:
         where = args.url or os.environ.get("ESI_SIDECAR_URL") or "http://127.0.0.1:8791"
-        reason = getattr(client, "last_error", None) or "no answer"
-        print(f"esi-sidecar: cannot reach the daemon at {where}: {reason}", file=sys.stderr)
+        reason = client.last_error or f"{where}: no answer"  # names the URL already
+        print(f"esi-sidecar: cannot reach the daemon: {reason}", file=sys.stderr)
         print("  is it running?  systemctl status esi-sidecar  |  esi-sidecar serve --help",
               file=sys.stderr)
     return expiry
@@ -289,6 +293,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _timeout(text: str) -> float:
+    value = _positive_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="esi-sidecar",
@@ -311,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     def client_options(sub: argparse.ArgumentParser, timeout: float = 2.0) -> None:
         sub.add_argument("--url", help="daemon URL(s), comma-separated (default: "
                          "$ESI_SIDECAR_URL, else http://127.0.0.1:8791)")
-        sub.add_argument("--timeout", type=_positive_float, default=timeout,
+        sub.add_argument("--timeout", type=_timeout, default=timeout,
                          help=f"seconds to wait for the daemon (default {timeout:g})")
 
     status = commands.add_parser("status", help="show when this machine will be released",
@@ -355,13 +366,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     emulate.add_argument("--listen", default="127.0.0.1:9000", help="HOST:PORT (default "
                          "127.0.0.1:9000)")
-    emulate.add_argument("--access-key", default=os.environ.get("VOLCENGINE_ACCESS_KEY",
-                                                                "AKLTEMULATOR"))
-    emulate.add_argument("--secret-key", default=os.environ.get("VOLCENGINE_SECRET_KEY",
-                                                                "emulator-secret"))
-    emulate.add_argument("--region", default="cn-beijing")
-    emulate.add_argument("--instance-id", default="i-emulator0001")
-    emulate.add_argument("--scheduled-instance-id", default="esi-emulator0001")
+    # The emulator's own keys, never the real VOLCENGINE_* variables: the command prints
+    # them for copy-paste, and a real secret must not end up on a terminal.
+    emulate.add_argument("--access-key", default="AKLTEMULATOR",
+                         help="access key the emulator accepts (default AKLTEMULATOR)")
+    emulate.add_argument("--secret-key", default="emulator-secret",
+                         help="secret key it checks signatures with (default emulator-secret)")
+    emulate.add_argument("--region", default="cn-beijing",
+                         help="region it serves and signs for (default cn-beijing)")
+    emulate.add_argument("--instance-id", default="i-emulator0001",
+                         help="instance id from the metadata paths (default i-emulator0001)")
+    emulate.add_argument("--scheduled-instance-id", default="esi-emulator0001",
+                         help="its ScheduledInstanceId (default esi-emulator0001)")
     when = emulate.add_mutually_exclusive_group()
     when.add_argument("--release-in", type=_positive_float, default=3600.0, metavar="SECONDS",
                       help="release this many seconds from now (default 3600)")
@@ -410,7 +426,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    try:
+        return func(args)
+    except UsageError as exc:
+        print(f"esi-sidecar {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

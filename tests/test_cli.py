@@ -78,13 +78,40 @@ def test_unreachable_daemon_exits_3_with_a_hint() -> None:
     for args in (("status",), ("check", "--step-seconds", "1"), ("env",)):
         result = cli(*args, "--url", url, "--timeout", "0.5")
         assert result.returncode == 3, args
-        assert f"cannot reach the daemon at {url}" in result.stderr
+        assert f"cannot reach the daemon: {url}" in result.stderr
+        assert result.stderr.count(url) == 1
 
 
 def test_usage_errors_exit_2() -> None:
     assert cli("check").returncode == 2  # --step-seconds is required
     assert cli("check", "--step-seconds", "-3").returncode == 2
     assert cli("frobnicate").returncode == 2
+    assert cli("status", "--timeout", "0").returncode == 2
+    bad_url = cli("status", "--url", "ftp://example.invalid")
+    assert bad_url.returncode == 2 and "Traceback" not in bad_url.stderr
+    assert bad_url.stderr.startswith("esi-sidecar status: --url")
+
+
+def test_emulate_never_prints_the_real_secret_key() -> None:
+    import os
+
+    env = {**os.environ, "VOLCENGINE_SECRET_KEY": "real-secret-do-not-print"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "emulate", "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:  # ends with the Ctrl-C line; bounded by the emulator
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+    finally:
+        process.terminate()
+        process.wait(10)
+    printed = "".join(lines)
+    assert "VOLCENGINE_SECRET_KEY=emulator-secret" in printed
+    assert "real-secret-do-not-print" not in printed
 
 
 def test_help_lists_every_command_and_serve_lists_every_variable() -> None:
