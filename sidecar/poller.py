@@ -12,12 +12,10 @@ stale until a poll confirms it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import random
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -25,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sidecar._manifest import replace_atomically
 from sidecar.sources.base import Observation, Source, SourceError, where
 from sidecar.store import Store
 from sidecar.timeparse import format_rfc3339
@@ -181,7 +180,8 @@ def save_state(path: Path, store: Store) -> None:
                 "observed_at_unix": status.observed_at_unix,
             }
     body = json.dumps({"version": STATE_VERSION, "sources": sources}, indent=1).encode()
-    atomic_write(path, body)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, body, f".{path.name}.{os.getpid()}.tmp")
 
 
 def load_state(path: Path, store: Store) -> None:
@@ -201,27 +201,6 @@ def load_state(path: Path, store: Store) -> None:
         log.warning("ignoring state file %s: %s", path, _one_line(str(exc)))
         return
     log.info("restored last known state from %s", path)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Temp file in the same folder, fsync, rename over, fsync the folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
