@@ -54,6 +54,9 @@ log = logging.getLogger("sidecar.upload")
 
 MARKER_NAME = ".uploading"
 _MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader writes
+# Note on a record whose folder vanished (pruned, or moved aside by a re-save that a kill
+# interrupted: if it comes back, it is considered again).
+_GONE = "the local checkpoint is gone"
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ class Uploader:
                 continue  # went away between the listing and now
             digest = manifest_digest(raw)
             old = self.tracker.get(info.name)
-            if old is not None and old.digest == digest:
+            if old is not None and old.digest == digest and old.note != _GONE:
                 continue
             if old is not None:
                 log.info("%s was saved again; it will be uploaded again", info.name)
@@ -205,7 +208,7 @@ class Uploader:
             if record.name not in seen and record.state in ("pending", "failed"):
                 # Deleted (pruned by the trainer, say) before its turn: nothing to upload.
                 self.tracker.update(record.name, state="skipped", retry_at_unix=None,
-                                    note="the local checkpoint is gone")
+                                    note=_GONE)
         self._skip_superseded()
 
     def _skip_superseded(self) -> None:
@@ -243,7 +246,7 @@ class Uploader:
             raw = (folder / MANIFEST_NAME).read_bytes()
             inode = os.stat(folder).st_ino
         except OSError:
-            self.tracker.update(record.name, state="skipped", note="the local checkpoint is gone")
+            self.tracker.update(record.name, state="skipped", note=_GONE)
             return
         if manifest_digest(raw) != record.digest:
             return  # re-saved since the scan; the next scan picks up the new one
