@@ -9,12 +9,15 @@ on a bound socket. Only the address is chosen by the kernel.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from sidecar.config import Settings
 from sidecar.daemon import Daemon, bind_sockets, build_daemon, make_server
@@ -38,6 +41,23 @@ class RunningDaemon:
     @property
     def settings(self) -> Settings:
         return self.daemon.settings
+
+
+def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    """GET a JSON body: (status, body), for error statuses too. Raises when unreachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def fetch_json(url: str, timeout: float = 2.0) -> Optional[tuple[int, Any]]:
+    """Like :func:`get_json`, but None while nothing answers (a daemon still starting)."""
+    try:
+        return get_json(url, timeout)
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.01) -> Any:

