@@ -1,7 +1,40 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Tests import the harness next to them as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# CI sets this: there every tool and package is installed on purpose, so a skip means
+# something went missing and must not pass for green. The one skip allowed names a
+# kernel feature, not an install step.
+FAIL_ON_SKIP = "SIDECAR_TESTS_FAIL_ON_SKIP"
+ALLOWED_SKIPS = ("cannot boot systemd in namespaces here",)
+
+
+def _unexpected_skips(session: pytest.Session) -> list[Any]:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    return [
+        report for report in skipped
+        if not any(allowed in str(report.longrepr) for allowed in ALLOWED_SKIPS)
+    ]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(FAIL_ON_SKIP) and exitstatus == 0 and _unexpected_skips(session):
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    if os.environ.get(FAIL_ON_SKIP):
+        skips = _unexpected_skips(terminalreporter._session)
+        if skips:
+            terminalreporter.write_line(
+                f"{FAIL_ON_SKIP} is set: {len(skips)} skipped test(s) count as failures "
+                "(see the skip reasons above)", red=True)
