@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
