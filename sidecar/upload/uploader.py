@@ -118,14 +118,18 @@ class Uploader:
                  self.config.location, self.config.storage.where)
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Stop soon: an upload in progress is cancelled (it restarts on the next start)."""
+        """Stop soon: an upload in progress is cancelled (it restarts on the next start).
+
+        ``timeout`` bounds the whole stop, the watcher's included (the daemon's shutdown
+        shares one budget across everything it joins)."""
+        stop_by = time.monotonic() + timeout
         self._stop.set()
         self._wake.set()
+        self._watch.stop(timeout=max(0.1, timeout / 2))
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.1, stop_by - time.monotonic()))
             if self._thread.is_alive():
                 log.warning("the upload thread did not stop within %.0f s", timeout)
-        self._watch.stop()
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -68,8 +68,8 @@ class FolderWatch:
             log.info("%s", message)
             self._reported = message
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
         observer, self._observer = self._observer, None
         if observer is not None:
             observer.stop()
-            observer.join(2.0)
+            observer.join(timeout)
