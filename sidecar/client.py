@@ -32,15 +32,16 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol, TypeVar, Union
 
 from sidecar.models import Expiry
-from sidecar.policy import PolicyDecision, SavePolicy
+from sidecar.policy import PolicyDecision, SavePolicy, check_seconds
 from sidecar.timeparse import TimestampError, parse_timestamp
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "UNKNOWN_SAVE",
     "UNKNOWN_STEP",
     "CheckpointGuard",
+    "DeadlineTracker",
     "GuardStatus",
     "Reducer",
     "SidecarClient",
@@ -112,6 +114,9 @@ class _Endpoint:
         self._base_path = parts.path.rstrip("/")
         self._timeout = timeout
         self._connection: Optional[http.client.HTTPConnection] = None
+        # The last answer that carried a deadline; forgotten only when the daemon says,
+        # freshly, that none is scheduled (see SidecarClient.expiry).
+        self.known: Optional[Expiry] = None
 
     def close(self) -> None:
         if self._connection is not None:
@@ -182,6 +187,14 @@ class _Endpoint:
             raise _FetchError(f"{self.url}: bad {EXPIRY_PATH} body ({exc})") from None
 
 
+def _kept(known: Expiry, why: str) -> Expiry:
+    """A daemon's last answer with a deadline, served again because it said nothing newer."""
+    remaining = None if known.expires_at_unix is None else known.expires_at_unix - time.time()
+    return replace(
+        known, stale=True, error=f"last known deadline kept; {why}", remaining_seconds=remaining
+    )
+
+
 def _split_urls(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -216,6 +229,11 @@ class SidecarClient:
         else:
             self._endpoints = self._endpoints_from_environment()
         self.last_error: Optional[str] = None
+        # URLs whose part of the last expiry() was not a current deadline (no answer, or a
+        # stale answer without one): the caller should take the result as last known.
+        self.degraded_urls: tuple[str, ...] = ()
+        self._failing: tuple[str, ...] = ()  # for logging once per change
+        self._warned_partial = False
 
     def _endpoints_from_environment(self) -> list[_Endpoint]:
         endpoints = []
@@ -236,25 +254,82 @@ class SidecarClient:
 
         None when no daemon answered properly; ``last_error`` then says why (one line
         per failed URL, joined by "; "). ``last_error`` is also set when some URLs
-        answered and others did not, and is None when all answered.
+        answered and others did not (logged once per change of the failing set), and is
+        None when all answered.
+
+        Each URL's last deadline is kept while that daemon gives nothing newer: while it
+        fails, and while it answers stale without a deadline (a daemon restarted without
+        its state file while the cloud API fails). A node that stops answering is still
+        released on time, so its deadline stays in the MIN. Such a kept deadline comes
+        back as that daemon's last answer marked ``stale``, with ``error`` saying why,
+        and its URL is listed in ``degraded_urls``. A fresh answer without a deadline
+        ("nothing scheduled") forgets it.
         """
-        answers: list[Expiry] = []
+        answered: list[Expiry] = []
+        candidates: list[Expiry] = []
         errors: list[str] = []
+        failing: list[str] = []
+        degraded: list[str] = []
         for endpoint in self._endpoints:
             try:
-                answers.append(endpoint.expiry())
+                answer = endpoint.expiry()
             except _FetchError as exc:
-                errors.append(str(exc))
+                why = str(exc)
             except Exception as exc:  # never into the training loop, whatever it was
                 endpoint.close()
-                errors.append(f"{endpoint.url}: {_describe_error(exc, self.timeout)}")
+                why = f"{endpoint.url}: {_describe_error(exc, self.timeout)}"
+            else:
+                answered.append(answer)
+                if answer.expires_at_unix is not None:
+                    endpoint.known = answer
+                elif not answer.stale:
+                    endpoint.known = None  # the daemon says, freshly: nothing scheduled
+                else:
+                    degraded.append(endpoint.url)
+                    if endpoint.known is not None:
+                        reason = f"stale answer without a deadline ({answer.error})"
+                        candidates.append(_kept(endpoint.known, f"{endpoint.url}: {reason}"))
+                        continue
+                candidates.append(answer)
+                continue
+            errors.append(why)
+            failing.append(endpoint.url)
+            degraded.append(endpoint.url)
+            if endpoint.known is not None:
+                candidates.append(_kept(endpoint.known, why))
         self.last_error = "; ".join(errors) or None
-        if not answers:
+        self.degraded_urls = tuple(degraded)
+        self._log_failing(tuple(failing), any_answered=bool(answered))
+        if not answered:
             return None
-        with_deadline = [a for a in answers if a.expires_at_unix is not None]
+        with_deadline = [a for a in candidates if a.expires_at_unix is not None]
         if with_deadline:
             return min(with_deadline, key=lambda a: a.expires_at_unix or 0.0)
-        return answers[0]
+        return next((a for a in answered if a.stale), answered[0])
+
+    def _log_failing(self, failing: tuple[str, ...], *, any_answered: bool) -> None:
+        """One line per change of the set of daemons that do not answer, while others do.
+
+        When none answers, the caller (the guard) says so; with a single URL there is no
+        partial failure.
+        """
+        if failing == self._failing or len(self._endpoints) < 2:
+            return
+        self._failing = failing
+        if not any_answered:
+            self._warned_partial = False  # "unreachable" is the caller's to say
+        elif failing:
+            self._warned_partial = True
+            logger.warning(
+                "no answer from %d of %d sidecar daemons (%s); keeping the last known"
+                " deadline of each",
+                len(failing),
+                len(self._endpoints),
+                self.last_error,
+            )
+        elif self._warned_partial:
+            self._warned_partial = False
+            logger.info("every sidecar daemon answers again (%s)", ", ".join(self.urls))
 
     def deadline_unix(self) -> Optional[float]:
         """The earliest ``expires_at_unix`` across the daemons, or None (none / no answer)."""
@@ -346,6 +421,166 @@ def env_deadline(environ: Mapping[str, str] = os.environ) -> Optional[float]:
     return None
 
 
+# ---------------------------------------------------------------------------- the deadline
+
+
+class DeadlineTracker:
+    """The deadline to act on: the daemon's, cached; the environment's as the fallback.
+
+    Shared by :class:`CheckpointGuard` and the verl drop-in, so that both cache, retry and
+    fall back alike.
+
+    - ``client``: a :class:`SidecarClient` (anything with ``expiry()``, ``last_error`` and
+      ``urls``; ``degraded_urls`` is read when present).
+    - ``refresh_seconds``: ask the daemon at most this often; ``daemon_retry_seconds``:
+      after a failure (of any of the daemons), wait this long instead, so a hung daemon
+      costs at most one ``timeout`` per retry interval.
+    - ``clock`` (wall, for deadlines; kept for callers as ``tracker.clock``) and
+      ``monotonic`` (refresh timing): injectable for tests.
+    - ``environ``: where to read ``ENV_DEADLINE_VARIABLES`` (default ``os.environ``).
+      Read once here, unless ``live_environ``: then read at every call, as verl does (a
+      value is parsed, and a bad one warned about, once per change).
+
+    :meth:`deadline` answers ``(deadline_unix, "daemon" | "env" | None)``: the daemon's
+    deadline while every daemon gives a current answer with one; the environment's when the
+    daemon freshly says none is scheduled, or no daemon deadline was ever known; otherwise
+    (a daemon unreachable, or answering stale without a deadline) the earlier of the
+    daemon's last known deadline and the environment's.
+
+    Never raises on the daemon's or the environment's account. Logs one warning when the
+    daemon becomes unreachable and one line when it is back; one when its answers turn
+    stale and one when they are fresh again. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        *,
+        refresh_seconds: float = 1.0,
+        daemon_retry_seconds: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        environ: Optional[Mapping[str, str]] = None,
+        live_environ: bool = False,
+    ) -> None:
+        self.refresh_seconds = check_seconds("refresh_seconds", refresh_seconds)
+        self.daemon_retry_seconds = check_seconds("daemon_retry_seconds", daemon_retry_seconds)
+        self.client = client
+        self.clock = clock
+        self._monotonic = monotonic
+        self._live_environ: Optional[Mapping[str, str]] = environ
+        self._environ: Optional[Mapping[str, str]] = None
+        if not live_environ:
+            source = os.environ if environ is None else environ
+            self._environ = {n: source[n] for n in ENV_DEADLINE_VARIABLES if n in source}
+        self._env_raw: Optional[tuple[Optional[str], ...]] = None
+        self._env_value: Optional[float] = None
+        self._lock = threading.Lock()
+        self._next_refresh: Optional[float] = None  # monotonic; None: refresh now
+        self._reachable = False
+        self._current = False  # the daemon deadline is a current answer from every daemon
+        self._daemon_deadline: Optional[float] = None  # the last deadline the daemon gave
+        self._last_error: Optional[str] = None
+        self._warned_unreachable = False
+        self._warned_stale = False
+
+    @property
+    def reachable(self) -> bool:
+        """Did every daemon answer the last request?"""
+        return self._reachable
+
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last request failed (for some or all daemons), else None."""
+        return self._last_error
+
+    def deadline(self, *, refresh: bool = True) -> tuple[Optional[float], Optional[str]]:
+        """``(deadline_unix, source)``; asks the daemon first when a refresh is due.
+
+        ``refresh=False`` never asks: for a save that must not wait for the daemon.
+        """
+        with self._lock:
+            if refresh:
+                self._maybe_refresh()
+            return self._choose()
+
+    def _env_deadline(self) -> Optional[float]:
+        environ = self._environ
+        if environ is None:
+            environ = os.environ if self._live_environ is None else self._live_environ
+        raw = tuple(environ.get(name) for name in ENV_DEADLINE_VARIABLES)
+        if raw != self._env_raw:
+            self._env_raw = raw
+            self._env_value = env_deadline(environ)
+        return self._env_value
+
+    def _choose(self) -> tuple[Optional[float], Optional[str]]:
+        daemon, env = self._daemon_deadline, self._env_deadline()
+        if daemon is not None:
+            if not self._current and env is not None and env < daemon:
+                return env, "env"  # the daemon's word is a last known one: the earlier wins
+            return daemon, "daemon"
+        if env is not None:
+            return env, "env"
+        return None, None
+
+    def _maybe_refresh(self) -> None:
+        now = self._monotonic()
+        if self._next_refresh is not None and now < self._next_refresh:
+            return
+        try:
+            answer = self.client.expiry()
+            error = self.client.last_error
+            degraded = tuple(getattr(self.client, "degraded_urls", ()))
+        except Exception as exc:  # a client given by the caller may raise
+            answer, error, degraded = None, f"{type(exc).__name__}: {exc}", ()
+        self._last_error = error
+        failed = answer is None or error is not None
+        self._next_refresh = now + (self.daemon_retry_seconds if failed else self.refresh_seconds)
+        if answer is None:
+            self._reachable = self._current = False
+            if not self._warned_unreachable:
+                self._warned_unreachable = True
+                deadline, source = self._choose()
+                fallback = (
+                    "no deadline known"
+                    if deadline is None
+                    else f"using the {'last known' if source == 'daemon' else source} deadline"
+                )
+                logger.warning(
+                    "sidecar daemon unreachable (%s); %s; retrying every %g s",
+                    error,
+                    fallback,
+                    self.daemon_retry_seconds,
+                )
+            return
+        # Stale and without a deadline (restarted without its state file while its source
+        # fails): nothing new, so the last known deadline stays, as when unreachable.
+        says_nothing = answer.stale and answer.expires_at_unix is None
+        if not says_nothing:
+            self._daemon_deadline = answer.expires_at_unix
+        self._reachable = error is None
+        self._current = error is None and not degraded and not says_nothing
+        if self._warned_unreachable:
+            self._warned_unreachable = False
+            logger.info("sidecar daemon reachable again at %s", ", ".join(self.client.urls))
+        if error is not None:
+            return  # some daemons failed: the client logged that, once per change
+        if answer.stale and not self._warned_stale:
+            self._warned_stale = True
+            kept = (
+                "; it gave no deadline, the last known one is kept"
+                if says_nothing and self._daemon_deadline is not None
+                else ""
+            )
+            logger.warning(
+                "sidecar daemon's deadline is stale (last poll error: %s)%s", answer.error, kept
+            )
+        elif not answer.stale and self._warned_stale:
+            self._warned_stale = False
+            logger.info("sidecar daemon's deadline is fresh again")
+
+
 # ---------------------------------------------------------------------------- the guard
 
 # How "unknown" travels through a MIN/MAX reduction across ranks (see Reducer).
@@ -403,14 +638,6 @@ class GuardStatus:
     last_error: Optional[str]
 
 
-def _check_interval(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
 class CheckpointGuard:
     """Policy + I/O: decides at every step whether to save now, and when to stop.
 
@@ -420,17 +647,19 @@ class CheckpointGuard:
     - ``refresh_seconds``: ask the daemon at most this often (default 1 s). Between
       refreshes the cached absolute deadline is used and the remaining time recomputed
       from ``clock``, so a step costs two clock reads when no refresh is due.
-    - ``daemon_retry_seconds``: after a failed request, wait this long before the next
-      (default 5 s), so a hung daemon costs at most one ``timeout`` per 5 s.
+    - ``daemon_retry_seconds``: after a failed request (to any of the daemons), wait this
+      long before the next (default 5 s), so a hung daemon costs at most one ``timeout``
+      per 5 s.
     - ``clock`` (wall, for deadlines) and ``monotonic`` (for durations and refresh
       timing): injectable for tests.
     - ``reducer``: see :class:`Reducer`; None for a single process.
     - ``environ``: where to read the fallback deadline variables (default ``os.environ``,
       read once here).
 
-    Where the deadline comes from: the daemon's answer while it has a deadline; the
-    environment variables when the daemon answers without one or cannot be reached; while
-    the daemon is unreachable, the earlier of its last known deadline and the
+    Where the deadline comes from (see :class:`DeadlineTracker`, which caches it): the
+    daemon's answer while it has a current one; the environment variables when the daemon
+    freshly answers without one, or none was ever known; while a daemon is unreachable or
+    answers stale without a deadline, the earlier of its last known deadline and the
     environment's. Not thread-safe: call it from the training loop's thread.
     """
 
@@ -446,20 +675,18 @@ class CheckpointGuard:
         reducer: Optional[Reducer] = None,
         environ: Optional[Mapping[str, str]] = None,
     ) -> None:
-        self.refresh_seconds = _check_interval("refresh_seconds", refresh_seconds)
-        self.daemon_retry_seconds = _check_interval("daemon_retry_seconds", daemon_retry_seconds)
-        self.client = client if client is not None else SidecarClient()
+        self._tracker = DeadlineTracker(
+            client if client is not None else SidecarClient(),
+            refresh_seconds=refresh_seconds,
+            daemon_retry_seconds=daemon_retry_seconds,
+            clock=clock,
+            monotonic=monotonic,
+            environ=environ,
+        )
         self.policy = policy if policy is not None else SavePolicy()
         self._clock = clock
         self._monotonic = monotonic
         self._reducer = reducer
-        self._env_deadline = env_deadline(os.environ if environ is None else environ)
-
-        self._next_refresh: Optional[float] = None  # monotonic; None: refresh now
-        self._daemon_reachable = False
-        self._daemon_deadline: Optional[float] = None  # last deadline the daemon gave
-        self._warned_unreachable = False
-        self._warned_stale = False
         self._warned_internal = False
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
@@ -468,7 +695,23 @@ class CheckpointGuard:
         # _decided is False until one of them ran.
         self._decided = False
         self._decided_deadline: Optional[float] = None
-        self.last_error: Optional[str] = None
+
+    @property
+    def client(self) -> SidecarClient:
+        return self._tracker.client
+
+    @property
+    def refresh_seconds(self) -> float:
+        return self._tracker.refresh_seconds
+
+    @property
+    def daemon_retry_seconds(self) -> float:
+        return self._tracker.daemon_retry_seconds
+
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last request to the daemon(s) failed, else None."""
+        return self._tracker.last_error
 
     # ------------------------------------------------------------------ measuring
 
@@ -520,7 +763,7 @@ class CheckpointGuard:
         """
         if self._decided:
             return self._decided_deadline
-        return self._current_deadline()[0]
+        return self._tracker.deadline(refresh=False)[0]
 
     def _record_save(
         self, seconds: float, *, started_unix: float, deadline_unix: Optional[float]
@@ -570,7 +813,7 @@ class CheckpointGuard:
     def status(self) -> GuardStatus:
         """This rank's view, without the reducer (never collective): for logging."""
         decision, _deadline = self._decide(reduce=False)
-        deadline, source = self._current_deadline()
+        deadline, source = self._tracker.deadline(refresh=False)
         return GuardStatus(
             remaining_seconds=decision.remaining_seconds,
             budget_seconds=decision.budget_seconds,
@@ -578,7 +821,7 @@ class CheckpointGuard:
             save_seconds=decision.save_seconds,
             deadline_unix=deadline,
             deadline_source=source,
-            daemon_reachable=self._daemon_reachable,
+            daemon_reachable=self._tracker.reachable,
             save_now=decision.save_now,
             stop=decision.stop,
             reason=decision.reason,
@@ -594,8 +837,7 @@ class CheckpointGuard:
         """The decision, and the absolute deadline it used (reduced across ranks)."""
         now_unix = self._clock()
         try:
-            self._maybe_refresh()
-            deadline, _source = self._current_deadline()
+            deadline, _source = self._tracker.deadline()
         except Exception:  # a bug of ours must not stop training
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
@@ -625,58 +867,3 @@ class CheckpointGuard:
             covered_seconds=covered,
         )
         return decision, None if remaining is None else now_unix + remaining
-
-    # ------------------------------------------------------------------ the deadline
-
-    def _current_deadline(self) -> tuple[Optional[float], Optional[str]]:
-        if self._daemon_reachable and self._daemon_deadline is not None:
-            return self._daemon_deadline, "daemon"
-        if not self._daemon_reachable and self._daemon_deadline is not None:
-            # Daemon down: keep its last word, unless the environment says earlier.
-            if self._env_deadline is not None and self._env_deadline < self._daemon_deadline:
-                return self._env_deadline, "env"
-            return self._daemon_deadline, "daemon"
-        if self._env_deadline is not None:
-            return self._env_deadline, "env"
-        return None, None
-
-    def _maybe_refresh(self) -> None:
-        now = self._monotonic()
-        if self._next_refresh is not None and now < self._next_refresh:
-            return
-        try:
-            answer = self.client.expiry()
-            error = self.client.last_error
-        except Exception as exc:  # a client given by the caller may raise
-            answer, error = None, f"{type(exc).__name__}: {exc}"
-        self.last_error = error
-        if answer is None:
-            self._daemon_reachable = False
-            self._next_refresh = now + self.daemon_retry_seconds
-            if not self._warned_unreachable:
-                self._warned_unreachable = True
-                deadline, source = self._current_deadline()
-                fallback = (
-                    "no deadline known"
-                    if deadline is None
-                    else f"using the {'last known' if source == 'daemon' else source} deadline"
-                )
-                logger.warning(
-                    "sidecar daemon unreachable (%s); %s; retrying every %g s",
-                    error,
-                    fallback,
-                    self.daemon_retry_seconds,
-                )
-            return
-        self._next_refresh = now + self.refresh_seconds
-        self._daemon_reachable = True
-        self._daemon_deadline = answer.expires_at_unix
-        if self._warned_unreachable:
-            self._warned_unreachable = False
-            logger.info("sidecar daemon reachable again at %s", ", ".join(self.client.urls))
-        if answer.stale and not self._warned_stale:
-            self._warned_stale = True
-            logger.warning("sidecar daemon's deadline is stale (last poll error: %s)", answer.error)
-        elif not answer.stale and self._warned_stale:
-            self._warned_stale = False
-            logger.info("sidecar daemon's deadline is fresh again")

@@ -51,7 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["STATISTICS", "PolicyDecision", "SavePolicy"]
+__all__ = ["STATISTICS", "PolicyDecision", "SavePolicy", "check_seconds"]
 
 # Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
 # 1/(1-q) samples a percentile is the max: conservative while little is known).
@@ -75,7 +75,10 @@ class PolicyDecision:
     reason: str
 
 
-def _check_duration(name: str, value: float) -> float:
+def check_seconds(name: str, value: float) -> float:
+    """``value`` as a float if it is a finite number of seconds >= 0, else ValueError naming
+    ``name``. Shared with ``sidecar.client`` and the integrations: one rule for every
+    duration a user passes in."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number of seconds, got {value!r}")
     if not math.isfinite(value) or value < 0:
@@ -130,15 +133,15 @@ class SavePolicy:
     _fresh_cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.save_seconds = _check_duration("save_seconds", self.save_seconds)
-        self.redundant_seconds = _check_duration("redundant_seconds", self.redundant_seconds)
+        self.save_seconds = check_seconds("save_seconds", self.save_seconds)
+        self.redundant_seconds = check_seconds("redundant_seconds", self.redundant_seconds)
         self.window = _check_count("window", self.window)
         self.save_window = _check_count("save_window", self.save_window)
         if self.statistic not in STATISTICS:
             raise ValueError(
                 f"statistic must be one of {', '.join(STATISTICS)}, got {self.statistic!r}"
             )
-        margin = _check_duration("save_margin", self.save_margin)
+        margin = check_seconds("save_margin", self.save_margin)
         if margin < 1.0:
             raise ValueError(f"save_margin must be >= 1 (a factor), got {self.save_margin!r}")
         self.save_margin = margin
@@ -153,7 +156,7 @@ class SavePolicy:
         Also ends the cover that the last save had only for having nothing unsaved after
         it (see :meth:`record_save`).
         """
-        self._steps.append(_check_duration("seconds", seconds))
+        self._steps.append(check_seconds("seconds", seconds))
         self._fresh_cover_until_unix = None
 
     def record_save(
@@ -189,7 +192,7 @@ class SavePolicy:
         after it, so a save that turns out faster than assumed never shrinks the cover
         below the decision that asked for it (which would re-arm at once and save twice).
         """
-        seconds = _check_duration("seconds", seconds)
+        seconds = check_seconds("seconds", seconds)
         if not math.isfinite(started_unix):
             raise ValueError(f"started_unix must be finite, got {started_unix!r}")
         if deadline_unix is not None and not math.isfinite(deadline_unix):

@@ -2,9 +2,11 @@
 standard library alone, and on the oldest Python we support (3.9) when one is installed.
 
 Each run makes a bare virtual environment (no pip, no site-packages of ours), puts only
-the source tree on the path, and in it imports ``sidecar.client``, takes a decision
-against a live daemon (started here, in the test process, which has the server extras)
-and lists every server dependency that got imported.
+the source tree on the path, and in it imports the training side (``sidecar.client``,
+``sidecar.checkpoint``, the verl and torch.distributed integrations), takes decisions
+against a live daemon (started here, in the test process, which has the server extras),
+runs ``esi-sidecar status`` against it, and lists every server dependency or daemon
+module that got imported.
 """
 
 from __future__ import annotations
@@ -26,6 +28,36 @@ from daemon_harness import serve_daemon
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
+# Never imported on the training side: the server's dependencies and the daemon's modules.
+FORBIDDEN_PACKAGES = (
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "pydantic_core",
+    "starlette",
+    "dateutil",
+    "prometheus_client",
+    "anyio",
+    "h11",
+    "httpx",
+    "boto3",
+    "botocore",
+    "s3transfer",
+    "watchdog",
+    "moto",
+    "volcenginesdkcore",
+    "volcenginesdkecs",
+    "volcengine",
+)
+FORBIDDEN_MODULES = (
+    "sidecar.upload",
+    "sidecar.poller",
+    "sidecar.store",
+    "sidecar.api",
+    "sidecar.daemon",
+    "sidecar.sources",
+)
+
 CHILD = r"""
 import importlib.util, json, sys
 
@@ -33,6 +65,9 @@ import importlib.util, json, sys
 missing = {name: importlib.util.find_spec(name) is None for name in ("fastapi", "pydantic")}
 
 import sidecar
+import sidecar.checkpoint
+import sidecar.integrations.distributed
+import sidecar.integrations.verl
 from sidecar.client import CheckpointGuard, SidecarClient
 from sidecar.policy import SavePolicy
 
@@ -44,13 +79,9 @@ with guard.saving():
 stop = guard.should_stop()
 status = guard.status()
 
-server_side = ("fastapi", "uvicorn", "pydantic", "pydantic_core", "starlette", "dateutil",
-               "prometheus_client", "anyio", "h11", "httpx")
-imported = sorted(
-    name for name in sys.modules
-    if name.split(".")[0] in server_side or name.startswith("volcengine")
-    or name in ("sidecar.api", "sidecar.store", "sidecar.daemon", "sidecar.sources")
-)
+sidecar.integrations.verl.configure(sys.argv[1], environ={})
+verl_save = sidecar.integrations.verl.should_save_ckpt_esi(10, 100, 120)
+
 print(json.dumps({
     "python": list(sys.version_info[:2]),
     "missing": missing,
@@ -58,10 +89,21 @@ print(json.dumps({
     "stop": stop,
     "source": status.deadline_source,
     "remaining": status.remaining_seconds,
-    "imported": imported,
+    "verl_save": verl_save,
+    "modules": sorted(sys.modules),
     "exported": sorted(sidecar.__all__),
 }))
 """
+
+
+def _forbidden(modules: list[str]) -> list[str]:
+    return sorted(
+        name
+        for name in modules
+        if name.split(".")[0] in FORBIDDEN_PACKAGES
+        or name.startswith("volcengine")
+        or any(name == m or name.startswith(m + ".") for m in FORBIDDEN_MODULES)
+    )
 
 
 def _python39() -> Optional[str]:
@@ -125,15 +167,46 @@ def test_client_runs_on_the_standard_library_alone(interpreter: str, tmp_path: P
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["missing"] == {"fastapi": True, "pydantic": True}
-    assert report["imported"] == []
+    assert "sidecar.integrations.verl" in report["modules"]
+    assert _forbidden(report["modules"]) == []
     # A real decision against the live daemon: 1 + 100 + 120 s budget > 200 s left.
     assert report["save_now"] is True
     assert report["stop"] is True
     assert report["source"] == "daemon"
     assert 150 < report["remaining"] <= 200
+    assert report["verl_save"] is True  # verl's rule: 200 s left <= 10 + 100 + 120
     assert "CheckpointGuard" in report["exported"]
     if "3.9" in interpreter:
         assert report["python"] == [3, 9]
+
+
+def test_cli_status_imports_no_server_module(tmp_path: Path) -> None:
+    """``esi-sidecar status`` runs in a training container that has the base install only."""
+    python = _bare_python(sys.executable, tmp_path / "venv")
+    environment = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": str(SOURCE_ROOT),
+        "PYTHONNOUSERSITE": "1",
+    }
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 200)) as daemon:
+        result = subprocess.run(
+            # -X importtime: every module the command imports, one line each, on stderr.
+            [str(python), "-X", "importtime", "-m", "sidecar.cli", "status", "--url", daemon.url],
+            capture_output=True,
+            text=True,
+            env=environment,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    assert result.returncode == 0, result.stderr
+    assert "static" in result.stdout  # a real answer from the live daemon
+    imported = [
+        line.rsplit("|", 1)[1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    ]
+    assert "sidecar.client" in imported  # sidecar.cli itself runs as __main__
+    assert _forbidden(imported) == []
 
 
 def test_example_runs_without_torch(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ as it does today), and False while ``max_steps_duration`` is 0 (before verl meas
 step). For save-once-then-stop, use :class:`sidecar.client.CheckpointGuard`.
 
 verl's single controller decides for every node, so point ``ESI_SIDECAR_URL`` at every
-node's daemon (comma-separated): the earliest deadline wins.
+node's daemon (comma-separated): the earliest deadline wins, and a node whose daemon stops
+answering keeps its last known deadline in that MIN.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import logging
-import os
 import sys
 import threading
 import time
@@ -43,7 +43,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
-from sidecar.client import ENV_DEADLINE_VARIABLES, SidecarClient, env_deadline
+from sidecar.client import DeadlineTracker, SidecarClient
+from sidecar.policy import check_seconds
 
 __all__ = [
     "VERL_FUNCTION",
@@ -66,87 +67,10 @@ DEFAULT_REFRESH_SECONDS = 1.0
 DEFAULT_RETRY_SECONDS = 5.0
 
 
-class _DeadlineCache:
-    """The daemon's deadline, asked at most once per ``refresh_seconds``.
-
-    The same precedence as ``CheckpointGuard``: the daemon's deadline while it answers
-    with one; the environment's when it answers without one or cannot be reached; while
-    unreachable, the earlier of its last known deadline and the environment's.
-    """
-
-    def __init__(
-        self,
-        client: SidecarClient,
-        *,
-        refresh_seconds: float,
-        retry_seconds: float,
-        clock: Callable[[], float],
-        monotonic: Callable[[], float],
-        environ: Optional[Mapping[str, str]],
-    ) -> None:
-        self.client = client
-        self.refresh_seconds = refresh_seconds
-        self.retry_seconds = retry_seconds
-        self.clock = clock
-        self.monotonic = monotonic
-        self._environ = environ
-        self._lock = threading.Lock()
-        self._next_refresh: Optional[float] = None
-        self._reachable = False
-        self._daemon_deadline: Optional[float] = None
-        self._warned_unreachable = False
-        # The environment is read at every call, as verl does; parsing is cached per
-        # raw value so that a bad value warns once, not at every step.
-        self._env_raw: Optional[tuple[Optional[str], ...]] = None
-        self._env_value: Optional[float] = None
-
-    def _env_deadline(self) -> Optional[float]:
-        environ = os.environ if self._environ is None else self._environ
-        raw = tuple(environ.get(name) for name in ENV_DEADLINE_VARIABLES)
-        if raw != self._env_raw:
-            self._env_raw = raw
-            self._env_value = env_deadline(environ)
-        return self._env_value
-
-    def _refresh(self) -> None:
-        now = self.monotonic()
-        if self._next_refresh is not None and now < self._next_refresh:
-            return
-        answer = self.client.expiry()  # never raises on network or data errors
-        if answer is None:
-            self._reachable = False
-            self._next_refresh = now + self.retry_seconds
-            if not self._warned_unreachable:
-                self._warned_unreachable = True
-                logger.warning(
-                    "sidecar daemon unreachable (%s); using the last known deadline or %s;"
-                    " retrying every %g s",
-                    self.client.last_error,
-                    " / ".join(ENV_DEADLINE_VARIABLES),
-                    self.retry_seconds,
-                )
-            return
-        if self._warned_unreachable:
-            self._warned_unreachable = False
-            logger.info("sidecar daemon reachable again at %s", ", ".join(self.client.urls))
-        self._reachable = True
-        self._daemon_deadline = answer.expires_at_unix
-        self._next_refresh = now + self.refresh_seconds
-
-    def deadline(self) -> Optional[float]:
-        with self._lock:
-            self._refresh()
-            env = self._env_deadline()
-            daemon = self._daemon_deadline
-            if daemon is None:
-                return env
-            if not self._reachable and env is not None:
-                return min(daemon, env)
-            return daemon
-
-
+# The daemon's deadline, cached, with the same retry and env fallback as CheckpointGuard
+# (one DeadlineTracker for both); the environment is read at every call, as verl does.
 _cache_lock = threading.Lock()
-_cache: Optional[_DeadlineCache] = None
+_cache: Optional[DeadlineTracker] = None
 _warned_internal = False
 
 
@@ -168,27 +92,24 @@ def configure(
     the user's own code, at start-up); the function itself never raises.
     """
     global _cache
-    for name, value in (("refresh_seconds", refresh_seconds), ("retry_seconds", retry_seconds)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    client = SidecarClient(url, timeout=timeout)
+    refresh_seconds = check_seconds("refresh_seconds", refresh_seconds)
+    retry_seconds = check_seconds("retry_seconds", retry_seconds)
+    tracker = DeadlineTracker(
+        SidecarClient(url, timeout=timeout),
+        refresh_seconds=refresh_seconds,
+        daemon_retry_seconds=retry_seconds,
+        clock=clock,
+        monotonic=monotonic,
+        environ=environ,
+        live_environ=True,
+    )
     with _cache_lock:
-        old, _cache = (
-            _cache,
-            _DeadlineCache(
-                client,
-                refresh_seconds=float(refresh_seconds),
-                retry_seconds=float(retry_seconds),
-                clock=clock,
-                monotonic=monotonic,
-                environ=environ,
-            ),
-        )
+        old, _cache = _cache, tracker
     if old is not None:
         old.client.close()
 
 
-def _current_cache() -> _DeadlineCache:
+def _current_cache() -> DeadlineTracker:
     with _cache_lock:
         cache = _cache
     if cache is None:
@@ -218,7 +139,7 @@ def should_save_ckpt_esi(
     global _warned_internal
     try:
         cache = _current_cache()
-        deadline = cache.deadline()
+        deadline, _source = cache.deadline()
         if deadline is None:
             return False
         remaining = deadline - cache.clock()
