@@ -1,30 +1,38 @@
 # Every target creates .venv when it is missing (or when pyproject.toml changed).
+# `make demo` installs only what the demo needs (the daemon); `make test` adds torch
+# and the frameworks. The demo uses torch when it is there, a pure-Python model if not.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+SERVER := $(VENV)/.installed-server
+ALL    := $(VENV)/.installed-all
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(SERVER): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# The CPU build of torch first, so the framework extras do not pull a CUDA build.
+	$(BIN)/python -m pip install --quiet -e ".[server]"
+	touch $(SERVER)
+
+$(ALL): $(SERVER)
+	# torch 2.13.0 first: on these machines pip takes its CPU build from local disk, so the
+	# framework extras find torch installed and do not pull a CUDA build.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[server,test,frameworks,simulate,dev]"
-	touch $(STAMP)
+	touch $(ALL)
 
-demo: $(STAMP)
+demo: $(SERVER)
 	$(BIN)/esi-sidecar demo
 
-test: $(STAMP)
+test: $(ALL)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
-lint: $(STAMP)
+lint: $(ALL)
 	$(BIN)/ruff check sidecar tests benchmarks examples
 	$(BIN)/mypy
 
-bench: $(STAMP)
+bench: $(ALL)
 	$(BIN)/python -m benchmarks
 
 clean:
