@@ -1,0 +1,118 @@
+"""A Hugging Face Trainer that saves before the machine is released, then stops.
+
+    python examples/hf_trainer.py --steps 100000 --release-in 190   # trains ~10 s, saves, stops
+    python examples/hf_trainer.py --steps 300                       # resumes from checkpoint-N
+
+The callback asks the daemon ($ESI_SIDECAR_URL, default http://127.0.0.1:8791) at every
+optimizer step; without a daemon it falls back to the platform's capacity-block variable,
+which ``--release-in`` sets for this process only. When the deadline is near, the Trainer
+writes its usual ``checkpoint-<step>`` folder once and training stops; the next start
+resumes from it with ``resume_from_checkpoint``. The model is a one-layer GPT-2 built from
+a config (nothing is downloaded), the data random tokens, the device the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from sidecar import SavePolicy
+from sidecar.client import ENV_DEADLINE_VARIABLES
+from sidecar.integrations.distributed import distributed_guard
+from sidecar.integrations.transformers import EsiCheckpointCallback
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed random token rows; stands in for your tokenised dataset."""
+
+    def __init__(self, rows: int = 64, length: int = 16) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, 64, (rows, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "esi-examples" / "hf_trainer",
+        help="checkpoint-<step> folders go here; a rerun resumes from the newest",
+    )
+    parser.add_argument(
+        "--release-in",
+        type=float,
+        default=None,
+        help="pretend the machine is released in this many seconds (sets "
+        f"{ENV_DEADLINE_VARIABLES[0]} for this process)",
+    )
+    parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
+    parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
+    if args.release_in is not None:
+        os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                   bos_token_id=0, eos_token_id=0)
+    )
+    training_args = TrainingArguments(
+        output_dir=str(args.output),
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="no",  # the ESI save is the only one here; any strategy works
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    # Built after TrainingArguments, which initialises torch.distributed under torchrun,
+    # so the guard picks up the reducer that makes every rank save at the same step.
+    # EsiCheckpointCallback() alone does the same with the default policy (60 s + 120 s).
+    guard = distributed_guard(
+        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds)
+    )
+    esi = EsiCheckpointCallback(guard=guard)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=RandomTokens(), callbacks=[esi]
+    )
+
+    last = get_last_checkpoint(str(args.output)) if args.output.is_dir() else None
+    if last:  # checkpoint-<step>: model, optimizer, scheduler, RNG, trainer state
+        print(f"start: resuming from step {last.rsplit('-', 1)[1]} ({last})", flush=True)
+    else:
+        print("start: from scratch", flush=True)
+    trainer.train(resume_from_checkpoint=last)
+
+    step = trainer.state.global_step
+    status = guard.status()
+    if esi.saves_requested:
+        print(f"saved: checkpoint at step {step} -> {args.output / f'checkpoint-{step}'}")
+    if esi.stopped:
+        print(f"stop: step {step}")  # the guard logged why
+    # Otherwise the run is complete: save your final model here as usual.
+    print(f"done: trained {step}/{args.steps} steps; deadline from "
+          f"{status.deadline_source or 'nowhere'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""A Lightning module that saves before the machine is released, then stops.
+
+    python examples/lightning_module.py --steps 100000 --release-in 190   # trains ~10 s, saves
+    python examples/lightning_module.py --steps 300                       # resumes from it
+
+The callback asks the daemon ($ESI_SIDECAR_URL, default http://127.0.0.1:8791) after every
+optimizer step; without a daemon it falls back to the platform's capacity-block variable,
+which ``--release-in`` sets for this process only. When the deadline is near it calls
+``trainer.save_checkpoint`` once (``esi-epoch=E-step=S.ckpt``) and stops the Trainer; the
+next start passes the newest such file as ``ckpt_path``. A tiny regression model on random
+data, on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from sidecar import CheckpointGuard, SavePolicy
+from sidecar.client import ENV_DEADLINE_VARIABLES
+from sidecar.integrations.lightning import EsiCheckpointCallback
+
+
+class TinyRegression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def random_data() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(256, 8, generator=generator)
+    targets = torch.sin(inputs.sum(dim=1, keepdim=True))
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(inputs, targets), batch_size=16
+    )
+
+
+def newest_checkpoint(folder: Path) -> Optional[tuple[int, Path]]:
+    """(global step, file) of the callback's newest save; the step is in the file name."""
+    found = [(int(m.group(1)), p) for p in folder.glob("esi-*.ckpt")
+             if (m := re.search(r"step=(\d+)", p.name))]
+    return max(found) if found else None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "esi-examples" / "lightning_module",
+        help="checkpoints go to OUTPUT/checkpoints; a rerun resumes from the newest",
+    )
+    parser.add_argument(
+        "--release-in",
+        type=float,
+        default=None,
+        help="pretend the machine is released in this many seconds (sets "
+        f"{ENV_DEADLINE_VARIABLES[0]} for this process)",
+    )
+    parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
+    parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
+    if args.release_in is not None:
+        os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
+
+    checkpoints = args.output / "checkpoints"
+    # One process here. With devices > 1, leave guard= out (EsiCheckpointCallback builds
+    # distributed_guard() once the strategy has set up torch.distributed) or pass
+    # CheckpointGuard(..., reducer=TorchReducer()): every rank must save at the same step.
+    guard = CheckpointGuard(
+        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds)
+    )
+    esi = EsiCheckpointCallback(dirpath=checkpoints, guard=guard)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        callbacks=[esi],
+        enable_checkpointing=False,  # the ESI save is the only one here; any setup works
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(args.output),
+    )
+
+    newest = newest_checkpoint(checkpoints)
+    if newest:  # Lightning's full state: weights, optimizer, loop position
+        print(f"start: resuming from step {newest[0]} ({newest[1]})", flush=True)
+    else:
+        print("start: from scratch", flush=True)
+    ckpt_path = newest[1] if newest else None
+    trainer.fit(TinyRegression(), train_dataloaders=random_data(), ckpt_path=ckpt_path)
+
+    status = guard.status()
+    if esi.saves:
+        print(f"saved: checkpoint at step {trainer.global_step} -> {esi.last_checkpoint_path}")
+    if esi.stopped:
+        print(f"stop: step {trainer.global_step}")  # the guard logged why
+    # Otherwise the run is complete: save your final model here as usual.
+    print(f"done: trained {trainer.global_step}/{args.steps} steps; deadline from "
+          f"{status.deadline_source or 'nowhere'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The examples run as a user runs them: as programs, against a real daemon on loopback.
+
+First run: the daemon's static deadline is SAVE + REDUNDANT + TRAIN seconds ahead and the
+example gets ``--save-seconds SAVE --redundant-seconds REDUNDANT``, so the rule (remaining
+<= step + save + redundant) fires about TRAIN seconds after the daemon started: after many
+millisecond steps where start-up is quicker than that, at the first step where it is not
+(both are the behaviour under test). ``--steps`` is far more than fits in that time, so
+only the guard can end the run. Expected: exactly one checkpoint, at the step where the
+run stopped, and exit status 0. Second run: a daemon whose deadline is an hour away and
+``--steps`` a few past the checkpoint: it resumes from that checkpoint and finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from daemon_harness import serve_daemon, wait_for
+
+from sidecar.checkpoint import list_checkpoints
+from sidecar.client import ENV_DEADLINE_VARIABLES, ENV_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SAVE, REDUNDANT, TRAIN = 1.0, 20.0, 5.0
+UNBOUNDED_STEPS = 1_000_000  # the first run ends only through the guard
+MORE_STEPS = 5  # the resumed run trains this many past the checkpoint
+RULE = ["--save-seconds", str(SAVE), "--redundant-seconds", str(REDUNDANT)]
+
+
+def run(command: Sequence[str], url: str, cwd: Path, timeout: float = 90) -> str:
+    """Run ``command`` with ESI_SIDECAR_URL=url; its output, after checking exit status 0.
+
+    In a session of its own, so that a hang kills torchrun's workers too, not only torchrun.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DEADLINE_VARIABLES}
+    env.update({ENV_URL: url, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        list(command), cwd=cwd, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{' '.join(command)} still running after {timeout} s:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+def steps(pattern: str, output: str) -> list[int]:
+    return [int(n) for n in re.findall(pattern, output)]
+
+
+def first_then_resumed(command: list[str], tmp_path: Path) -> tuple[int, str, str]:
+    """Both runs; (the step saved at, first output, resumed output)."""
+    with serve_daemon(
+        sources=("static",), expires_at=repr(time.time() + SAVE + REDUNDANT + TRAIN)
+    ) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        first = run([*command, "--steps", str(UNBOUNDED_STEPS), *RULE], daemon.url, tmp_path)
+    saved = steps(r"saved: checkpoint at step (\d+)", first)
+    assert len(set(saved)) == 1, first[-3000:]  # once (per rank), all at one step
+    step = saved[0]
+    assert step >= 1
+    assert set(steps(r"stop: step (\d+)", first)) == {step}, first[-3000:]
+
+    total = step + MORE_STEPS
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        resumed = run([*command, "--steps", str(total), *RULE], daemon.url, tmp_path)
+    assert set(steps(r"start: resuming from step (\d+)", resumed)) == {step}, resumed[-3000:]
+    assert "saved:" not in resumed and "stop:" not in resumed, resumed[-3000:]
+    assert set(re.findall(r"done: trained (\d+)/(\d+) steps", resumed)) == {
+        (str(total), str(total))
+    }, resumed[-3000:]
+    return step, first, resumed
+
+
+def hf_checkpoints(output: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in output.glob("checkpoint-*"))
+
+
+def lightning_checkpoints(output: Path) -> list[int]:
+    return sorted(steps(r"step=(\d+)\.ckpt", " ".join(p.name for p in output.rglob("*.ckpt"))))
+
+
+FRAMEWORKS = [
+    pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, id="hf"),
+    pytest.param("lightning_module.py", ("lightning",), lightning_checkpoints, id="lightning"),
+]
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize(("script", "needs", "checkpoints"), FRAMEWORKS)
+def test_framework_example_saves_once_stops_and_resumes(
+    script: str, needs: tuple[str, ...], checkpoints: Callable[[Path], list[int]],
+    tmp_path: Path,
+) -> None:
+    for module in ("torch", *needs):
+        pytest.importorskip(module)
+    output = tmp_path / "out"
+    command = [sys.executable, str(EXAMPLES / script), "--output", str(output)]
+    step, first, _resumed = first_then_resumed(command, tmp_path)
+    assert first.count("saved:") == 1 and "deadline from daemon" in first
+    assert checkpoints(output) == [step]  # still the only one: the resumed run saved none
+
+
+@pytest.mark.frameworks
+def test_torch_distributed_example_every_rank_saves_at_the_same_step(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    output = tmp_path / "out"
+    # --standalone: torchrun picks a free rendezvous port on localhost itself.
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(EXAMPLES / "torch_distributed.py"), "--output", str(output),
+    ]
+    step, first, resumed = first_then_resumed(command, tmp_path)
+    saved = re.findall(r"rank (\d): saved: checkpoint at step (\d+)", first)
+    assert sorted(saved) == [("0", str(step)), ("1", str(step))], first[-3000:]
+    assert sorted(re.findall(r"rank (\d): stop:", first)) == ["0", "1"]
+    assert sorted(re.findall(r"rank (\d): start: resuming", resumed)) == ["0", "1"]
+    listing = list_checkpoints(output)
+    assert [(entry.step, entry.valid) for entry in listing] == [(step, True)]
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize(
+    ("script", "needs"),
+    [
+        ("hf_trainer.py", ("torch", "transformers", "accelerate")),
+        ("lightning_module.py", ("torch", "lightning")),
+        ("torch_distributed.py", ("torch",)),
+    ],
+)
+def test_help_lists_the_options(script: str, needs: tuple[str, ...], tmp_path: Path) -> None:
+    for module in needs:
+        pytest.importorskip(module)
+    text = run([sys.executable, str(EXAMPLES / script), "--help"], "http://127.0.0.1:9", tmp_path)
+    for option in ("--steps", "--output", "--release-in", "--save-seconds", "--redundant-seconds"):
+        assert option in text
+
+
+FAKE_MAIN_PPO = """
+import json, sys
+print("FAKE main_ppo " + json.dumps(sys.argv[1:]))
+"""
+
+
+def test_verl_launch_script(tmp_path: Path) -> None:
+    """Syntax, then a run with a stand-in for verl that prints what it was given."""
+    script = EXAMPLES / "verl_launch.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", str(script)], check=True, timeout=30)
+    fake = tmp_path / "fake"
+    (fake / "verl" / "trainer").mkdir(parents=True)
+    (fake / "verl" / "__init__.py").write_text("")
+    (fake / "verl" / "trainer" / "__init__.py").write_text("")
+    (fake / "verl" / "trainer" / "main_ppo.py").write_text(FAKE_MAIN_PPO)
+    env = {k: v for k, v in os.environ.items() if k not in ENV_DEADLINE_VARIABLES}
+    env.update(PYTHON=sys.executable, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}")
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        env[ENV_URL] = daemon.url
+        result = subprocess.run(
+            ["bash", str(script), "data.train_files=x.parquet"],
+            capture_output=True, text=True, env=env, timeout=60,
+        )
+    assert result.returncode == 0, result.stderr
+    assert "esi-sidecar: release at 2030-01-01T00:00:00Z (source static)" in result.stdout
+    assert (
+        "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook="
+        "sidecar.integrations.verl.install" in result.stdout
+    )
+    assert f"env_vars.ESI_SIDECAR_URL='{daemon.url}'" in result.stdout
+    assert '"data.train_files=x.parquet"' in result.stdout
+
+    env["PYTHONPATH"] = str(ROOT)  # no verl: a clear message before anything starts
+    missing = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env,
+                             timeout=60)
+    assert missing.returncode == 2
+    assert "verl is not installed" in missing.stderr
