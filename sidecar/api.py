@@ -25,7 +25,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from sidecar import __version__
-from sidecar.models import decide
+
+# The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
+from sidecar.models import Decision, Expiry, decide
 from sidecar.store import Store, build_expiry, build_health
 
 __all__ = ["UploadsView", "create_app"]
@@ -40,32 +42,6 @@ class UploadsView(Protocol):
     def summary(self, now: Optional[float] = None) -> dict[str, Any]: ...
 
     def collect(self) -> list[Metric]: ...
-
-
-class ExpiryBody(BaseModel):
-    """Schema of ``GET /v1/expiry`` (see ARCHITECTURE.md, HTTP contract v1)."""
-
-    expires_at: Optional[str]
-    expires_at_unix: Optional[float]
-    remaining_seconds: Optional[float]
-    kind: Optional[str]
-    source: Optional[str]
-    instance_id: Optional[str]
-    scheduled_instance_id: Optional[str]
-    observed_at: Optional[str]
-    age_seconds: Optional[float]
-    stale: bool
-    error: Optional[str]
-    server_time_unix: float
-    assumed_timezone: Optional[str] = None
-
-
-class DecisionBody(BaseModel):
-    save_now: bool
-    remaining_seconds: Optional[float]
-    budget_seconds: float
-    expires_at: Optional[str]
-    stale: bool
 
 
 class HealthBody(BaseModel):
@@ -126,11 +102,11 @@ def create_app(
             problems.append(f"{where}: {error.get('msg')}")
         return _json({"error": "; ".join(problems), "detail": exc.errors()}, 422)
 
-    @app.get("/v1/expiry", response_model=ExpiryBody, summary="The earliest known deadline")
+    @app.get("/v1/expiry", response_model=Expiry, summary="The earliest known deadline")
     async def expiry() -> Response:
         return _json(store.expiry(clock()).to_json())
 
-    @app.get("/v1/decision", response_model=DecisionBody, summary="Save now? (the seed rule)")
+    @app.get("/v1/decision", response_model=Decision, summary="Save now? (the seed rule)")
     async def decision(
         step_seconds: float = _seconds("longest recent step, seconds"),
         save_seconds: float = _seconds("time one save takes, seconds", 60.0),
