@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -92,7 +93,7 @@ def _check_count(name: str, value: int) -> int:
     return value
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: Sequence[float], q: float) -> float:
     """Nearest-rank quantile: an actually observed value, never an interpolation."""
     ordered = sorted(values)
     rank = max(1, math.ceil(q * len(ordered)))
@@ -215,7 +216,7 @@ class SavePolicy:
         """``T_max_step``: the chosen statistic over the window; None before any step."""
         if not self._steps:
             return None
-        return _quantile(list(self._steps), STATISTICS[self.statistic])
+        return quantile(list(self._steps), STATISTICS[self.statistic])
 
     def measured_save_estimate(self) -> Optional[float]:
         """The largest of the recent measured saves times ``save_margin``; None if none."""

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from sidecar.policy import quantile
 from sidecar.simulate.policies import POLICIES, PolicyFactory, get_policy
 from sidecar.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
 
@@ -176,12 +177,6 @@ def simulate_run(
     )
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    """Nearest rank: an observed value (stdlib only, like the rest of the core)."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
-
-
 def summarize(outcomes: Sequence[RunOutcome]) -> Result:
     """Aggregate the runs of one (policy, workload) pair."""
     count = len(outcomes)
@@ -194,7 +189,7 @@ def summarize(outcomes: Sequence[RunOutcome]) -> Result:
         misses=sum(o.missed and o.feasible for o in outcomes),
         infeasible_misses=sum(o.missed and not o.feasible for o in outcomes),
         lost_mean_s=sum(lost) / count,
-        lost_p95_s=_percentile(lost, 0.95),
+        lost_p95_s=quantile(lost, 0.95),
         lost_max_s=max(lost),
         saves_mean=sum(o.saves for o in outcomes) / count,
         window_saves_mean=sum(o.window_saves for o in outcomes) / count,
