@@ -27,7 +27,6 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from sidecar import SavePolicy
 from sidecar.client import ENV_DEADLINE_VARIABLES
-from sidecar.integrations.distributed import distributed_guard
 from sidecar.integrations.transformers import EsiCheckpointCallback
 
 
@@ -85,13 +84,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         disable_tqdm=True,
         use_cpu=True,
     )
-    # Built after TrainingArguments, which initialises torch.distributed under torchrun,
-    # so the guard picks up the reducer that makes every rank save at the same step.
+    # The callback builds its guard when training starts, with this policy and, under
+    # torchrun, the reducer that makes every rank save at the same step.
     # EsiCheckpointCallback() alone does the same with the default policy (60 s + 120 s).
-    guard = distributed_guard(
+    esi = EsiCheckpointCallback(
         policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds)
     )
-    esi = EsiCheckpointCallback(guard=guard)
     trainer = Trainer(
         model=model, args=training_args, train_dataset=RandomTokens(), callbacks=[esi]
     )
@@ -104,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     trainer.train(resume_from_checkpoint=last)
 
     step = trainer.state.global_step
-    status = guard.status()
+    status = esi.guard.status()  # built by the callback at the start of training
     if esi.saves_requested:
         print(f"saved: checkpoint at step {step} -> {args.output / f'checkpoint-{step}'}")
     if esi.stopped:

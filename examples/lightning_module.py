@@ -6,9 +6,9 @@
 The callback asks the daemon ($ESI_SIDECAR_URL, default http://127.0.0.1:8791) after every
 optimizer step; without a daemon it falls back to the platform's capacity-block variable,
 which ``--release-in`` sets for this process only. When the deadline is near it calls
-``trainer.save_checkpoint`` once (``esi-epoch=E-step=S.ckpt``) and stops the Trainer; the
-next start passes the newest such file as ``ckpt_path``. A tiny regression model on random
-data, on the CPU.
+``trainer.save_checkpoint`` once (``esi-epoch=E-step=S.ckpt``, renamed into place once
+complete) and stops the Trainer; the next start passes the newest such file as
+``ckpt_path``. A tiny regression model on random data, on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
@@ -25,9 +24,13 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
-from sidecar import CheckpointGuard, SavePolicy
+from sidecar import SavePolicy
 from sidecar.client import ENV_DEADLINE_VARIABLES
-from sidecar.integrations.lightning import EsiCheckpointCallback
+from sidecar.integrations.lightning import (
+    EsiCheckpointCallback,
+    checkpoint_step,
+    latest_checkpoint,
+)
 
 
 class TinyRegression(pl.LightningModule):
@@ -52,13 +55,6 @@ def random_data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(inputs, targets), batch_size=16
     )
-
-
-def newest_checkpoint(folder: Path) -> Optional[tuple[int, Path]]:
-    """(global step, file) of the callback's newest save; the step is in the file name."""
-    found = [(int(m.group(1)), p) for p in folder.glob("esi-*.ckpt")
-             if (m := re.search(r"step=(\d+)", p.name))]
-    return max(found) if found else None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -86,13 +82,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
 
     checkpoints = args.output / "checkpoints"
-    # One process here. With devices > 1, leave guard= out (EsiCheckpointCallback builds
-    # distributed_guard() once the strategy has set up torch.distributed) or pass
-    # CheckpointGuard(..., reducer=TorchReducer()): every rank must save at the same step.
-    guard = CheckpointGuard(
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds)
+    # The callback builds its guard inside trainer.fit(), once the strategy has set up
+    # torch.distributed: with devices > 1 it then has the reducer that makes every rank
+    # save at the same step. (A guard built here, before fit, could not have it.)
+    esi = EsiCheckpointCallback(
+        dirpath=checkpoints,
+        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds),
     )
-    esi = EsiCheckpointCallback(dirpath=checkpoints, guard=guard)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -105,15 +101,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         default_root_dir=str(args.output),
     )
 
-    newest = newest_checkpoint(checkpoints)
-    if newest:  # Lightning's full state: weights, optimizer, loop position
-        print(f"start: resuming from step {newest[0]} ({newest[1]})", flush=True)
+    # The newest complete save (a save cut short keeps a temporary name and is skipped).
+    ckpt_path = latest_checkpoint(checkpoints)
+    if ckpt_path:  # Lightning's full state: weights, optimizer, loop position
+        print(f"start: resuming from step {checkpoint_step(ckpt_path)} ({ckpt_path})",
+              flush=True)
     else:
         print("start: from scratch", flush=True)
-    ckpt_path = newest[1] if newest else None
     trainer.fit(TinyRegression(), train_dataloaders=random_data(), ckpt_path=ckpt_path)
 
-    status = guard.status()
+    status = esi.guard.status()  # built by the callback at the start of training
     if esi.saves:
         print(f"saved: checkpoint at step {trainer.global_step} -> {esi.last_checkpoint_path}")
     if esi.stopped:

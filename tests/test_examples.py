@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -62,8 +62,14 @@ def steps(pattern: str, output: str) -> list[int]:
     return [int(n) for n in re.findall(pattern, output)]
 
 
-def first_then_resumed(command: list[str], tmp_path: Path) -> tuple[int, str, str]:
-    """Both runs; (the step saved at, first output, resumed output)."""
+def first_then_resumed(
+    command: list[str], tmp_path: Path, between: Optional[Callable[[int], None]] = None
+) -> tuple[int, str, str]:
+    """Both runs; (the step saved at, first output, resumed output).
+
+    ``between(step)`` runs after the first, e.g. to leave what a later save cut short
+    would leave.
+    """
     with serve_daemon(
         sources=("static",), expires_at=repr(time.time() + SAVE + REDUNDANT + TRAIN)
     ) as daemon:
@@ -75,6 +81,8 @@ def first_then_resumed(command: list[str], tmp_path: Path) -> tuple[int, str, st
     assert step >= 1
     assert set(steps(r"stop: step (\d+)", first)) == {step}, first[-3000:]
 
+    if between is not None:
+        between(step)
     total = step + MORE_STEPS
     with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
         wait_for(lambda: daemon.store.health().ok)
@@ -95,23 +103,35 @@ def lightning_checkpoints(output: Path) -> list[int]:
     return sorted(steps(r"step=(\d+)\.ckpt", " ".join(p.name for p in output.rglob("*.ckpt"))))
 
 
+def lightning_save_cut_short(output: Path) -> Callable[[int], None]:
+    """What a later save killed half-way leaves: its temporary name, a few bytes."""
+    def leave(step: int) -> None:
+        name = f"esi-epoch=0-step={step + 100}.ckpt.tmp-4242"
+        (output / "checkpoints" / name).write_bytes(b"half a checkpoint")
+    return leave
+
+
 FRAMEWORKS = [
-    pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, id="hf"),
-    pytest.param("lightning_module.py", ("lightning",), lightning_checkpoints, id="lightning"),
+    pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, None, id="hf"),
+    pytest.param("lightning_module.py", ("lightning",), lightning_checkpoints,
+                 lightning_save_cut_short, id="lightning"),
 ]
 
 
 @pytest.mark.frameworks
-@pytest.mark.parametrize(("script", "needs", "checkpoints"), FRAMEWORKS)
+@pytest.mark.parametrize(("script", "needs", "checkpoints", "between"), FRAMEWORKS)
 def test_framework_example_saves_once_stops_and_resumes(
     script: str, needs: tuple[str, ...], checkpoints: Callable[[Path], list[int]],
-    tmp_path: Path,
+    between: Optional[Callable[[Path], Callable[[int], None]]], tmp_path: Path,
 ) -> None:
+    """The Lightning run also finds a save cut short next to ours, and skips it."""
     for module in ("torch", *needs):
         pytest.importorskip(module)
     output = tmp_path / "out"
     command = [sys.executable, str(EXAMPLES / script), "--output", str(output)]
-    step, first, _resumed = first_then_resumed(command, tmp_path)
+    step, first, _resumed = first_then_resumed(
+        command, tmp_path, None if between is None else between(output)
+    )
     assert first.count("saved:") == 1 and "deadline from daemon" in first
     assert checkpoints(output) == [step]  # still the only one: the resumed run saved none
 

@@ -8,15 +8,23 @@ taken per optimizer step, not per batch, so the answer is the same step.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
+import textwrap
 import time
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
-from rank_launcher import run_framework_ranks
+from rank_launcher import base_environment, free_port, run_framework_ranks, run_ranks
 
+import sidecar.integrations.distributed as distributed
 from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
 from sidecar.policy import SavePolicy
 
 pytest.importorskip("torch")
@@ -53,8 +61,12 @@ def loader() -> Any:
     return torch.utils.data.DataLoader(dataset, batch_size=4)
 
 
-def make_trainer(root: Path, max_steps: int, callbacks: list[Any], accumulate: int = 1) -> Any:
+def make_trainer(
+    root: Path, max_steps: int, callbacks: list[Any], accumulate: int = 1,
+    plugins: Optional[list[Any]] = None,
+) -> Any:
     return pl.Trainer(
+        plugins=plugins,
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
@@ -77,8 +89,16 @@ def daemon_url() -> Any:
 
 
 def train(
-    tmp_path: Path, url: str, base_unix: float, *, accumulate: int = 1, stop: bool = True
+    tmp_path: Path,
+    url: str,
+    base_unix: float,
+    *,
+    accumulate: int = 1,
+    stop: bool = True,
+    by_policy: bool = False,
+    plugins: Optional[list[Any]] = None,
 ) -> tuple[Any, Any]:
+    """One fit; ``by_policy``: the callback gets policy= and guard options, not guard=."""
     from sidecar.integrations.lightning import EsiCheckpointCallback
 
     holder: dict[str, Any] = {}
@@ -87,13 +107,18 @@ def train(
         trainer = holder.get("trainer")
         return base_unix + WALL_SECONDS_PER_STEP * (0 if trainer is None else trainer.global_step)
 
-    guard = CheckpointGuard(
-        client=SidecarClient(url),
-        policy=SavePolicy(save_seconds=30, redundant_seconds=40),
-        clock=clock,
-    )
-    callback = EsiCheckpointCallback(tmp_path / "ckpt", guard=guard, stop_after_save=stop)
-    trainer = make_trainer(tmp_path, MAX_STEPS, [callback], accumulate=accumulate)
+    policy = SavePolicy(save_seconds=30, redundant_seconds=40)
+    if by_policy:
+        callback = EsiCheckpointCallback(
+            tmp_path / "ckpt", stop_after_save=stop,
+            policy=policy, client=SidecarClient(url), clock=clock,
+        )
+        assert callback.guard is None  # built in on_train_start, inside fit()
+    else:
+        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock)
+        callback = EsiCheckpointCallback(tmp_path / "ckpt", guard=guard, stop_after_save=stop)
+    trainer = make_trainer(tmp_path, MAX_STEPS, [callback], accumulate=accumulate,
+                           plugins=plugins)
     holder["trainer"] = trainer
     torch.manual_seed(0)
     trainer.fit(TinyModule(), train_dataloaders=loader())
@@ -114,6 +139,7 @@ def test_saves_once_then_stops(
     assert callback.saves == 1 and callback.stopped is True
     assert trainer.should_stop is True
     assert trainer.global_step == EXPECTED_SAVE_STEP
+    assert latest_checkpoint(tmp_path / "ckpt") == expected
 
     # Lightning checkpoints hold plain Python objects too (loops' state): weights_only=False.
     checkpoint = torch.load(expected, weights_only=False)
@@ -172,3 +198,186 @@ def test_two_processes_agree_with_the_default_guard(tmp_path: Path) -> None:
     files = list((tmp_path / "ckpt").iterdir())
     assert [p.name for p in files] == ["esi-epoch=0-step=1.ckpt"]
     assert torch.load(files[0], weights_only=False)["global_step"] == 1
+
+
+def test_policy_builds_the_guard_at_train_start(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    """policy= and guard options (client, clock) instead of guard=: the same save."""
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, by_policy=True)
+    assert callback.guard.policy.save_seconds == 30
+    assert callback.guard.policy.redundant_seconds == 40
+    assert callback.guard.client.urls == SidecarClient(url).urls
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [
+        f"esi-epoch=0-step={EXPECTED_SAVE_STEP}.ckpt"
+    ]
+    assert callback.saves == 1 and callback.stopped is True
+    assert trainer.global_step == EXPECTED_SAVE_STEP
+
+
+def test_guard_with_policy_or_options_is_refused() -> None:
+    from sidecar.integrations.lightning import EsiCheckpointCallback
+
+    guard = CheckpointGuard(client=SidecarClient("http://127.0.0.1:9"))
+    with pytest.raises(ValueError, match="either guard= or policy="):
+        EsiCheckpointCallback("ckpt", guard=guard, policy=SavePolicy())
+    with pytest.raises(ValueError, match="refresh_seconds"):
+        EsiCheckpointCallback("ckpt", guard=guard, refresh_seconds=5)
+    with pytest.raises(TypeError, match="'refresh_second'"):
+        EsiCheckpointCallback("ckpt", refresh_second=5)  # a typo fails here, not in fit()
+    callback = EsiCheckpointCallback("ckpt", policy=SavePolicy(), refresh_seconds=5)
+    assert callback.guard is None and callback.policy is not None
+
+
+def test_guard_without_reducer_is_warned_about_when_distributed(
+    tmp_path: Path, daemon_url: tuple[str, float], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A guard= built before fit() has no reducer: said once training starts."""
+    url, base_unix = daemon_url
+    monkeypatch.setattr(distributed, "_world_size", lambda: 2)  # as seen inside fit() on 2 ranks
+    with caplog.at_level(logging.WARNING, logger="sidecar.integrations.distributed"):
+        train(tmp_path, url, base_unix)
+    assert any("has no reducer" in r.getMessage() and "2 ranks" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_save_cut_short_keeps_a_temporary_name(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    """The write fails half-way (a kill, a full disk): the checkpoint's name never appears.
+
+    The CheckpointIO below writes part of the file to the path it is given, then fails,
+    as a non-atomic writer does. latest_checkpoint() still answers the older, complete one.
+    """
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    class FailingHalfway(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            Path(path).write_bytes(b"PK\x03\x04 half a checkpoint")
+            raise OSError("No space left on device")
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    older = folder / "esi-epoch=0-step=3.ckpt"
+    older.write_bytes(b"an earlier complete save")
+    url, base_unix = daemon_url
+    with pytest.raises(OSError, match="No space left"):
+        train(tmp_path, url, base_unix, plugins=[FailingHalfway()])
+    partial = f"esi-epoch=0-step={EXPECTED_SAVE_STEP}.ckpt.tmp-{os.getpid()}"
+    assert sorted(p.name for p in folder.iterdir()) == [older.name, partial]
+    assert latest_checkpoint(folder) == older
+
+
+def test_latest_checkpoint_by_step_complete_names_only(tmp_path: Path) -> None:
+    for name in (
+        "esi-epoch=0-step=9.ckpt",
+        "esi-epoch=1-step=20.ckpt",
+        "esi-epoch=2-step=31.ckpt.tmp-4242",  # a save cut short
+        "esi-epoch=9-step=7.ckpt",  # a higher epoch, an older step
+        "last.ckpt",
+        "esi-epoch=3-step=40.ckpt.bak",
+    ):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "esi-epoch=1-step=25.ckpt").mkdir()  # sharded strategies save folders
+    assert latest_checkpoint(tmp_path) == tmp_path / "esi-epoch=1-step=25.ckpt"
+    assert latest_checkpoint(str(tmp_path / "missing")) is None
+    assert checkpoint_step(tmp_path / "esi-epoch=1-step=20.ckpt") == 20
+    assert checkpoint_step("esi-epoch=2-step=31.ckpt.tmp-4242") is None
+
+    custom = "run-{step:06d}.ckpt"
+    for name in ("run-000100.ckpt", "run-000099.ckpt", "run-000101.ckpt.tmp-1"):
+        (tmp_path / name).write_bytes(b"x")
+    assert latest_checkpoint(tmp_path, custom) == tmp_path / "run-000100.ckpt"
+    assert checkpoint_step("run-000100.ckpt", custom) == 100
+    with pytest.raises(ValueError, match="no \\{step\\}"):
+        latest_checkpoint(tmp_path, "esi-{epoch}.ckpt")
+    with pytest.raises(ValueError, match="unknown field"):
+        latest_checkpoint(tmp_path, "esi-{step}-{loss}.ckpt")
+
+
+POLICY_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    from sidecar.integrations.distributed import TorchReducer
+    from sidecar.integrations.lightning import EsiCheckpointCallback
+    from sidecar.policy import SavePolicy
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+        def training_step(self, batch, batch_idx):
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(self.layer(inputs), targets)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    out, result = sys.argv[1], sys.argv[2]
+    # Built BEFORE fit(), before the process group exists: the user's usual order.
+    callback = EsiCheckpointCallback(
+        os.path.join(out, "ckpt"), policy=SavePolicy(save_seconds=60, redundant_seconds=500)
+    )
+    assert not dist.is_initialized() and callback.guard is None
+    inputs = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=10,
+        enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False, default_root_dir=out, callbacks=[callback],
+    )
+    trainer.fit(Tiny(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    with open(result, "w") as handle:
+        json.dump({
+            "saves": callback.saves, "stopped": callback.stopped,
+            "global_step": trainer.global_step, "path": callback.last_checkpoint_path,
+            "reducer": isinstance(callback.guard._reducer, TorchReducer),
+            "redundant": callback.guard.policy.redundant_seconds,
+        }, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)  # see tests/distributed_worker.py: gloo may abort at interpreter exit
+    """
+)
+
+
+def test_two_processes_agree_with_a_policy_given_before_fit(tmp_path: Path) -> None:
+    """The callback is built before fit() (no process group yet) with policy=.
+
+    Rank 0's daemon knows a release 300 s ahead: inside this policy's budget (60 + 500 s
+    + a step) but not the default's (180 s). Rank 1's knows one 10^6 s ahead. Both save
+    at the first step: rank 0 by the policy passed, rank 1 through the reducer that the
+    guard built in on_train_start found.
+    """
+    worker = tmp_path / "policy_worker.py"
+    worker.write_text(POLICY_WORKER)
+    now = int(time.time())
+    port = free_port()
+    with ExitStack() as stack:
+        environments, commands = [], []
+        for rank, release_after in enumerate((300, 10**6)):
+            daemon = stack.enter_context(
+                serve_daemon(sources=("static",), expires_at=str(now + release_after))
+            )
+            wait_for(lambda d=daemon: d.store.health().ok)
+            env = base_environment()
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       ESI_SIDECAR_URL=daemon.url)
+            environments.append(env)
+            commands.append([sys.executable, str(worker), str(tmp_path),
+                             str(tmp_path / f"result-{rank}.json")])
+        outcomes = run_ranks(commands, environments, tmp_path, limit=100)
+    for code, stderr in outcomes:
+        assert code == 0, stderr[-3000:]
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        assert r["reducer"] is True and r["redundant"] == 500
+        assert r["saves"] == 1 and r["stopped"] is True and r["global_step"] == 1
+    assert results[0]["path"] == results[1]["path"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["esi-epoch=0-step=1.ckpt"]

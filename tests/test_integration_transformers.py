@@ -49,7 +49,10 @@ class TinyDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
-def train(tmp_path: Path, url: str, base_unix: float, stop_after_save: bool) -> tuple[Any, Any]:
+def train(
+    tmp_path: Path, url: str, base_unix: float, stop_after_save: bool, by_policy: bool = False
+) -> tuple[Any, Any]:
+    """One run; ``by_policy``: the callback gets policy= and guard options, not guard=."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from sidecar.integrations.transformers import EsiCheckpointCallback
@@ -65,12 +68,15 @@ def train(tmp_path: Path, url: str, base_unix: float, stop_after_save: bool) -> 
         step = 0 if trainer is None else trainer.state.global_step
         return base_unix + WALL_SECONDS_PER_STEP * step
 
-    guard = CheckpointGuard(
-        client=SidecarClient(url),
-        policy=SavePolicy(save_seconds=30, redundant_seconds=40),
-        clock=clock,
-    )
-    callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save)
+    policy = SavePolicy(save_seconds=30, redundant_seconds=40)
+    if by_policy:
+        callback = EsiCheckpointCallback(
+            stop_after_save=stop_after_save, policy=policy, client=SidecarClient(url), clock=clock
+        )
+        assert callback.guard is None  # built in on_train_begin
+    else:
+        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock)
+        callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -98,9 +104,12 @@ def daemon_url() -> Any:
         yield d.url, base_unix
 
 
-def test_saves_once_then_stops(tmp_path: Path, daemon_url: tuple[str, float]) -> None:
+@pytest.mark.parametrize("by_policy", [False, True], ids=["guard", "policy"])
+def test_saves_once_then_stops(
+    tmp_path: Path, daemon_url: tuple[str, float], by_policy: bool
+) -> None:
     url, base_unix = daemon_url
-    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=True)
+    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=True, by_policy=by_policy)
 
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{EXPECTED_SAVE_STEP}"]
@@ -114,6 +123,21 @@ def test_saves_once_then_stops(tmp_path: Path, daemon_url: tuple[str, float]) ->
     assert callback.saves_requested == 1 and callback.saves_recorded == 1
     assert callback.stopped is True
     assert callback.guard.policy.measured_save_estimate() is not None  # the save was timed
+    assert callback.guard.policy.redundant_seconds == 40
+
+
+def test_guard_with_policy_or_options_is_refused() -> None:
+    from sidecar.integrations.transformers import EsiCheckpointCallback
+
+    guard = CheckpointGuard(client=SidecarClient("http://127.0.0.1:9"))
+    with pytest.raises(ValueError, match="either guard= or policy="):
+        EsiCheckpointCallback(guard=guard, policy=SavePolicy())
+    with pytest.raises(ValueError, match="client"):
+        EsiCheckpointCallback(guard=guard, client=SidecarClient("http://127.0.0.1:9"))
+    with pytest.raises(TypeError, match="'polcy'"):
+        EsiCheckpointCallback(polcy=SavePolicy())  # a typo fails here, not in train()
+    callback = EsiCheckpointCallback(policy=SavePolicy(), refresh_seconds=5)
+    assert callback.guard is None and callback.policy is not None
 
 
 def test_without_stop_trains_on_and_still_saves_once(

@@ -19,9 +19,15 @@ in an image without torch, and :func:`reducer_if_distributed` then answers None.
 
 from __future__ import annotations
 
+import inspect
+import logging
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from sidecar.client import CheckpointGuard, Reducer
+from sidecar.policy import SavePolicy
+
+_log = logging.getLogger("sidecar.integrations.distributed")
 
 __all__ = ["TorchReducer", "distributed_guard", "reducer_if_distributed"]
 
@@ -119,3 +125,81 @@ def distributed_guard(
     if reducer is None:
         reducer = reducer_if_distributed(group)
     return CheckpointGuard(reducer=reducer, **guard_options)
+
+
+# -- shared by the framework callbacks (transformers, lightning) ------------------------
+
+# What a callback may pass on to distributed_guard() besides the policy: CheckpointGuard's
+# own options, read from its signature so that they are named in one place, and "group".
+# Not "monotonic": each callback has a keyword of that name for its own step timing.
+_GUARD_OPTIONS = frozenset(
+    name
+    for name, parameter in inspect.signature(CheckpointGuard).parameters.items()
+    if name not in ("policy", "monotonic") and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+) | {"group"}
+
+
+def check_callback_guard_arguments(
+    owner: str,
+    guard: Optional[CheckpointGuard],
+    policy: Optional[SavePolicy],
+    guard_options: Mapping[str, Any],
+) -> None:
+    """Refuse, when the callback is built, what would only fail (or mislead) at train start.
+
+    ``guard`` is a finished guard: it already holds its policy, client and reducer, so
+    ``policy`` or guard options next to it would be silently ignored.
+    """
+    unknown = sorted(set(guard_options) - _GUARD_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{owner} got unexpected option(s) {', '.join(map(repr, unknown))}; "
+            f"guard options are: {', '.join(sorted(_GUARD_OPTIONS))}"
+        )
+    if guard is not None and (policy is not None or guard_options):
+        given = ["policy"] if policy is not None else []
+        given += sorted(guard_options)
+        raise ValueError(
+            f"{owner}: pass either guard= or policy=/guard options ({', '.join(given)}), "
+            "not both: a guard already holds its policy and options. Prefer policy=: the "
+            "callback then builds its guard at train start, with the torch.distributed "
+            "reducer when the strategy has set it up"
+        )
+
+
+def callback_guard(
+    guard: Optional[CheckpointGuard],
+    policy: Optional[SavePolicy],
+    guard_options: Mapping[str, Any],
+) -> CheckpointGuard:
+    """The guard a callback uses from train start on: ``guard``, or one built now.
+
+    Built now, not when the callback is: the frameworks set up torch.distributed between
+    the two (Lightning inside ``trainer.fit()``), and :func:`reducer_if_distributed` can
+    only find the process group once it exists. A guard passed in is used as it is; a
+    warning says so when it cannot agree across ranks.
+    """
+    if guard is None:
+        return distributed_guard(policy=policy, **guard_options)
+    world_size = _world_size()
+    # CheckpointGuard keeps its reducer private; a guard of another kind is trusted.
+    if world_size > 1 and isinstance(guard, CheckpointGuard) and guard._reducer is None:
+        _log.warning(
+            "the checkpoint guard passed to the callback has no reducer, but "
+            "torch.distributed runs %d ranks: ranks may decide to save at different steps "
+            "and hang in the collective save. Pass policy= instead of guard= (the callback "
+            "then builds distributed_guard() at train start), or build the guard after the "
+            "process group exists",
+            world_size,
+        )
+    return guard
+
+
+def _world_size() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size())

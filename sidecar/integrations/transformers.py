@@ -17,10 +17,14 @@ How it maps onto the Trainer's events:
   the guard says no further step plus save fits (``should_stop()``), it sets
   ``control.should_training_stop``.
 
-In multi-process training every process runs the callbacks. The default guard gets a
-:class:`~sidecar.integrations.distributed.TorchReducer` when ``torch.distributed`` is
-initialised, so all ranks decide alike (the Trainer's save is collective). A guard you
-pass yourself should be built with ``distributed_guard()`` for the same reason.
+The save rule: ``EsiCheckpointCallback(policy=SavePolicy(save_seconds=..., ...))``; guard
+options such as ``refresh_seconds`` or ``client`` are keywords too. The guard is built at
+``on_train_begin`` from them, with ``distributed_guard()``: in multi-process training every
+process runs the callbacks, and that guard gets a
+:class:`~sidecar.integrations.distributed.TorchReducer` once ``torch.distributed`` is
+initialised, so all ranks decide alike (the Trainer's save is collective). ``guard=``
+takes a finished guard instead (not together with ``policy=``: a ValueError); build it
+with ``distributed_guard()`` after the process group exists, for the same reason.
 
 transformers is imported when ``EsiCheckpointCallback`` is first looked up (the class
 derives from ``TrainerCallback``), not when this module is imported.
@@ -33,7 +37,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sidecar.client import CheckpointGuard
-from sidecar.integrations.distributed import distributed_guard
+from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
+from sidecar.policy import SavePolicy
 
 __all__ = ["EsiCheckpointCallback"]
 
@@ -49,9 +54,14 @@ class _EsiCallbackLogic:
         guard: Optional[CheckpointGuard] = None,
         stop_after_save: bool = True,
         *,
+        policy: Optional[SavePolicy] = None,
         monotonic: Callable[[], float] = time.monotonic,
+        **guard_options: Any,
     ) -> None:
+        check_callback_guard_arguments("EsiCheckpointCallback", guard, policy, guard_options)
         self.guard = guard
+        self.policy = policy
+        self._guard_options = dict(guard_options)
         self.stop_after_save = stop_after_save
         self._monotonic = monotonic
         self._since: Optional[float] = None  # monotonic start of the step being timed
@@ -64,11 +74,12 @@ class _EsiCallbackLogic:
         if self.guard is None:
             # Built at first use, not in __init__: torch.distributed is initialised by
             # then (TrainingArguments sets it up), so the reducer is chosen correctly.
-            self.guard = distributed_guard()
+            self.guard = callback_guard(None, self.policy, self._guard_options)
         return self.guard
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._guard()
+        # A guard passed in is checked here (a warning when it cannot agree across ranks).
+        self.guard = callback_guard(self.guard, self.policy, self._guard_options)
         self._since = None
         self._decided_at = None
         return control
@@ -112,9 +123,12 @@ def _callback_class() -> type:
     class EsiCheckpointCallback(_EsiCallbackLogic, TrainerCallback):
         """``TrainerCallback`` that saves once before the release and then stops.
 
-        ``EsiCheckpointCallback(guard=None, stop_after_save=True)``: ``guard`` defaults to
-        ``distributed_guard()`` built at the start of training. ``saves_requested``,
-        ``saves_recorded`` and ``stopped`` say what it did.
+        ``EsiCheckpointCallback(guard=None, stop_after_save=True, *, policy=None,
+        **guard_options)``: without ``guard``, ``distributed_guard(policy=policy,
+        **guard_options)`` is built at the start of training (guard options:
+        ``refresh_seconds``, ``client``, ``daemon_retry_seconds``, ``clock``, ``environ``,
+        ``reducer``, ``group``). ``guard`` with ``policy`` or guard options is a
+        ValueError. ``saves_requested``, ``saves_recorded`` and ``stopped`` say what it did.
         """
 
     EsiCheckpointCallback.__module__ = __name__
