@@ -221,8 +221,7 @@ def app_cost_per_request(calls: int, repeats: int) -> dict[str, float]:
     from benchmarks.load import make_ceiling_app
     from sidecar.config import Settings
     from sidecar.daemon import build_daemon
-    from sidecar.models import KIND_SCHEDULED_RELEASE
-    from sidecar.models import Observation
+    from sidecar.models import KIND_SCHEDULED_RELEASE, Observation
 
     daemon = build_daemon(Settings(sources=("static",), expires_at=static_deadline()))
     daemon.store.record_success(
