@@ -467,9 +467,14 @@ def prune(
     pointer = _read_pointer(base)
     valid = [listing.info for listing in list_checkpoints(base) if listing.info is not None]
     removed = []
-    for info in valid[keep_last:]:
-        if info.name == pointer or _is_pinned(info.path) or (protect and protect(info)):
+    kept = 0
+    for index, info in enumerate(valid):  # newest first
+        if _is_pinned(info.path) or (protect and protect(info)):
             _log.debug("keeping pinned checkpoint %s", info.path)
+            continue  # pinned ones do not use up keep_last
+        # The newest valid one and the one `latest` names are kept whatever keep_last says.
+        if kept < keep_last or index == 0 or info.name == pointer:
+            kept += 1
             continue
         _retire(info.path)
         _log.info("pruned checkpoint %s (keep_last=%d)", info.path, keep_last)

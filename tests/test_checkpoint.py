@@ -353,6 +353,16 @@ def test_retention_never_deletes_pinned_or_protected(tmp_path: Path) -> None:
     assert names(tmp_path) == ["step_00000001", "step_00000005"]
 
 
+def test_pinned_checkpoints_do_not_use_up_keep_last(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save(tmp_path, step)
+    (tmp_path / "step_00000005" / ".uploading").write_text("")  # the newest, uploading
+    removed = prune(tmp_path, 2)
+    # Two unpinned kept (4 and 3) besides the pinned newest: 5 must not count as one.
+    assert sorted(p.name for p in removed) == ["step_00000001", "step_00000002"]
+    assert names(tmp_path) == ["step_00000003", "step_00000004", "step_00000005"]
+
+
 def test_prune_never_deletes_the_newest_valid_nor_invalid_folders(tmp_path: Path) -> None:
     save(tmp_path, 1)
     save(tmp_path, 2)
