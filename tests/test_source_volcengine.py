@@ -428,3 +428,15 @@ def test_error_fields_wherever_the_sdk_left_them(
     from sidecar.sources.volcengine import _error_fields
 
     assert _error_fields(body, reason) == expected
+
+
+def test_the_sdk_leaves_process_logging_alone(emu: Emulator) -> None:
+    """The SDK's Configuration() adds its own stderr handler to urllib3's logger and stops
+    propagation; the source undoes it so the daemon's logging config applies."""
+    import logging
+
+    source_for(emu).poll()
+    for name in ("urllib3", "com.volcengine.sdkcore"):
+        logger = logging.getLogger(name)
+        assert logger.propagate is True
+        assert not [h for h in logger.handlers if getattr(h, "_volcengine_sdk_handler", False)]

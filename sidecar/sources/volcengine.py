@@ -66,6 +66,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _return_loggers(configuration: Any) -> None:
+    """Undo what the SDK's Configuration does to logging, process-wide.
+
+    It gives the ``urllib3`` logger and its own a stderr handler of its own and stops them
+    propagating, so their lines bypass the daemon's format and level (and journald's
+    view of them). Remove the handlers it marked and let the records propagate again.
+    """
+    flag = "_volcengine_sdk_handler"  # the SDK's marker attribute on handlers it adds
+    for logger in getattr(configuration, "logger", {}).values():
+        if not isinstance(logger, logging.Logger):
+            continue
+        for handler in list(logger.handlers):
+            if getattr(handler, flag, False):
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
 class VolcengineEsiSource:
     """Polls the ECS OpenAPI for this instance's ESI ``AutoReleaseAt``."""
 
@@ -293,6 +310,7 @@ class VolcengineEsiSource:
         import volcenginesdkecs
 
         configuration = volcenginesdkcore.Configuration()
+        _return_loggers(configuration)
         configuration.region = self._region
         configuration.connect_timeout = self._connect_timeout
         configuration.read_timeout = self._read_timeout
