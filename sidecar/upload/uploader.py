@@ -142,6 +142,9 @@ class Uploader:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # Clear before the scan, not after the wait: a wake-up that arrives during
+            # the scan then still cuts the next wait short instead of being lost.
+            self._wake.clear()
             try:
                 wait = self._cycle()
             except Exception:  # a bug must not end uploads for the daemon's lifetime
@@ -149,7 +152,6 @@ class Uploader:
                 wait = self.config.scan_interval_seconds
             if wait > 0:
                 self._wake.wait(wait)
-                self._wake.clear()
 
     def _cycle(self) -> float:
         """One scan and at most one upload attempt. Returns how long to sleep."""
