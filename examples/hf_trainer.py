@@ -23,11 +23,10 @@ from typing import Any, Optional
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from sidecar import SavePolicy
 from sidecar.client import ENV_DEADLINE_VARIABLES
-from sidecar.integrations.transformers import EsiCheckpointCallback
+from sidecar.integrations.transformers import EsiCheckpointCallback, latest_complete_checkpoint
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -94,7 +93,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         model=model, args=training_args, train_dataset=RandomTokens(), callbacks=[esi]
     )
 
-    last = get_last_checkpoint(str(args.output)) if args.output.is_dir() else None
+    # The newest checkpoint-<step> the Trainer finished (get_last_checkpoint would also
+    # return one a kill cut short).
+    last = latest_complete_checkpoint(args.output)
     if last:  # checkpoint-<step>: model, optimizer, scheduler, RNG, trainer state
         print(f"start: resuming from step {last.rsplit('-', 1)[1]} ({last})", flush=True)
     else:

@@ -208,3 +208,32 @@ def test_two_processes_agree_with_the_default_guard(tmp_path: Path) -> None:
     assert checkpoints == ["checkpoint-1"]
     files = {p.name for p in (tmp_path / "checkpoint-1").iterdir()}
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= files
+
+
+def test_latest_complete_checkpoint_skips_interrupted_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Trainer writes trainer_state.json last; a folder without a whole one is a save
+    that a kill cut short, and get_last_checkpoint would still pick it."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from sidecar.integrations.transformers import latest_complete_checkpoint
+
+    def checkpoint(step: int, state: str | None) -> Path:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
+        if state is not None:
+            (folder / "trainer_state.json").write_text(state)
+        return folder
+
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    assert latest_complete_checkpoint(tmp_path) is None
+    good = checkpoint(5, json.dumps({"global_step": 5}))
+    checkpoint(7, None)  # killed before the state was written
+    checkpoint(8, '{"global_step": 8, "log_hist')  # killed while writing it
+    checkpoint(9, json.dumps({"global_step": 3}))  # a copied or renamed folder
+    (tmp_path / "checkpoint-10").write_text("not a folder")
+    assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-9")
+    assert latest_complete_checkpoint(tmp_path) == str(good)
+    assert caplog.text.count("skipping") == 3

@@ -26,6 +26,12 @@ initialised, so all ranks decide alike (the Trainer's save is collective). ``gua
 takes a finished guard instead (not together with ``policy=``: a ValueError); build it
 with ``distributed_guard()`` after the process group exists, for the same reason.
 
+Resuming: the Trainer writes ``checkpoint-<step>`` in place, not atomically, and its
+``get_last_checkpoint`` returns the highest step whether or not that save finished. A
+job killed mid-save would resume from a half-written folder. :func:`latest_complete_checkpoint`
+returns the newest folder whose ``trainer_state.json`` (the file ``_save_checkpoint`` writes
+last, after model, optimizer, scheduler and RNG state) exists, parses and names that step.
+
 transformers is imported when ``EsiCheckpointCallback`` is first looked up (the class
 derives from ``TrainerCallback``), not when this module is imported.
 """
@@ -33,14 +39,51 @@ derives from ``TrainerCallback``), not when this module is imported.
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sidecar.client import CheckpointGuard
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
 from sidecar.policy import SavePolicy
 
-__all__ = ["EsiCheckpointCallback"]
+__all__ = ["EsiCheckpointCallback", "latest_complete_checkpoint"]
+
+log = logging.getLogger("sidecar.integrations.transformers")
+
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+_STATE_NAME = "trainer_state.json"  # transformers' TRAINER_STATE_NAME, written last
+
+
+def latest_complete_checkpoint(output_dir: Any) -> Optional[str]:
+    """The newest ``checkpoint-<step>`` the Trainer finished writing, or None.
+
+    Pass it as ``trainer.train(resume_from_checkpoint=...)`` instead of
+    ``get_last_checkpoint(output_dir)``. A folder is skipped, with a warning, when its
+    trainer state is missing, does not parse, or gives another step.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = []
+    for child in root.iterdir():
+        match = _CHECKPOINT_NAME.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    for step, folder in sorted(found, reverse=True):
+        try:
+            state = json.loads((folder / _STATE_NAME).read_text(encoding="utf-8"))
+            complete = state.get("global_step") == step
+            reason = f"its {_STATE_NAME} is for step {state.get('global_step')}"
+        except (OSError, ValueError, AttributeError) as exc:
+            complete, reason = False, f"no readable {_STATE_NAME} ({type(exc).__name__})"
+        if complete:
+            return str(folder)
+        log.warning("skipping %s: %s (an interrupted save?)", folder, reason)
+    return None
 
 if TYPE_CHECKING:
     EsiCheckpointCallback: Any
