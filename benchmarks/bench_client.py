@@ -22,8 +22,9 @@ from benchmarks.bench_daemon import (
     wait_healthy,
 )
 from benchmarks.load import median, percentile
-from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.client import SidecarClient
 from sidecar.emulator import Emulator
+from sidecar.guard import CheckpointGuard
 from sidecar.timeparse import parse_timestamp
 
 __all__ = ["main_notice", "main_overhead"]

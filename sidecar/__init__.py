@@ -6,7 +6,8 @@ the daemon's dependencies (standard library only).
 
 from __future__ import annotations
 
-from sidecar.client import CheckpointGuard, GuardStatus, Reducer, SidecarClient, env_deadline
+from sidecar.client import SidecarClient, env_deadline
+from sidecar.guard import CheckpointGuard, GuardStatus, Reducer
 from sidecar.models import Decision, Expiry
 from sidecar.policy import PolicyDecision, SavePolicy
 

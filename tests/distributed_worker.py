@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.client import SidecarClient
+from sidecar.guard import CheckpointGuard
 from sidecar.integrations.distributed import (
     TorchReducer,
     distributed_guard,

@@ -20,17 +20,14 @@ from typing import Callable, Optional
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
-from sidecar.client import (
-    DEFAULT_URL,
+from sidecar.client import DEFAULT_URL, DeadlineTracker, SidecarClient, env_deadline
+from sidecar.guard import (
     UNKNOWN_COVERED,
     UNKNOWN_REMAINING,
     UNKNOWN_SAVE,
     UNKNOWN_STEP,
     CheckpointGuard,
-    DeadlineTracker,
     Reducer,
-    SidecarClient,
-    env_deadline,
 )
 from sidecar.models import KIND_PREEMPTION, Expiry, Observation
 from sidecar.policy import SavePolicy

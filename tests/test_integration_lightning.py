@@ -23,7 +23,8 @@ from daemon_harness import serve_daemon, wait_for
 from rank_launcher import base_environment, free_port, run_framework_ranks, run_ranks
 
 import sidecar.integrations.distributed as distributed
-from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.client import SidecarClient
+from sidecar.guard import CheckpointGuard
 from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
 from sidecar.policy import SavePolicy
 

@@ -17,7 +17,8 @@ import pytest
 from daemon_harness import serve_daemon, wait_for
 from rank_launcher import run_framework_ranks
 
-from sidecar.client import CheckpointGuard, SidecarClient
+from sidecar.client import SidecarClient
+from sidecar.guard import CheckpointGuard
 from sidecar.policy import SavePolicy
 
 pytest.importorskip("torch")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sidecar.checkpoint import atomic_checkpoint, capture_rng_state, latest_valid, restore_rng_state
-from sidecar.client import CheckpointGuard
+from sidecar.guard import CheckpointGuard
 from sidecar.policy import SavePolicy
 
 FEATURES = 8

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from sidecar.client import CheckpointGuard
+from sidecar.guard import CheckpointGuard
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
 from sidecar.policy import SavePolicy
 

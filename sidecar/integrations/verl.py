@@ -24,7 +24,7 @@ docs/integrations.md.
 Behaviour kept from verl, on purpose, so that it is a drop-in: the answer is stateless
 and stays True at every step inside the window (verl then saves at each of those steps,
 as it does today), and False while ``max_steps_duration`` is 0 (before verl measured a
-step). For save-once-then-stop, use :class:`sidecar.client.CheckpointGuard`.
+step). For save-once-then-stop, use :class:`sidecar.guard.CheckpointGuard`.
 
 verl's single controller decides for every node, so point ``ESI_SIDECAR_URL`` at every
 node's daemon (comma-separated): the earliest deadline wins, and a node whose daemon stops
