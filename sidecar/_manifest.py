@@ -20,10 +20,12 @@ import stat
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
 
+# What every public function takes for a folder: a str or any os.PathLike (pathlib.Path).
+PathLike = Union[str, "os.PathLike[str]"]
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT_NAME = "esi-sidecar-checkpoint"
 FORMAT_VERSION = 1

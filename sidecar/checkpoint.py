@@ -1,100 +1,39 @@
 """Atomic, validated checkpoints, and resume from the newest valid one (standard library only).
 
-Why: a reclaimable machine can be killed at any instant, in the middle of ``torch.save``
-too. A checkpoint folder that exists but holds half a file is worse than none: the
-resumed job crashes at load, or trains on from garbage. Here a checkpoint appears
-complete or not at all (issue "Checkpoint safety", items 1 and 2).
+A checkpoint appears complete or not at all, even when the machine is killed in the middle
+of ``torch.save``: :class:`atomic_checkpoint` writes into a hidden folder and commits it
+with ``MANIFEST.json`` written last; :func:`latest_valid` resumes from the newest folder
+whose files match its manifest; :func:`prune` keeps the newest few. How to use it, what a
+complete checkpoint holds, and what happens on disk and after a kill: docs/checkpoints.md.
 
-A save (:class:`atomic_checkpoint`): your code writes into a hidden temporary folder next
-to the target, with any writer and any layout (``torch.save``, DCP folders, safetensors,
-verl's ``global_step_N``). When the block ends without an exception, every file and
-sub-folder is fsynced, ``MANIFEST.json`` (step, created time, every file's size and
-optionally sha256, your metadata) is written last and fsynced, the folder is renamed into
-place and the parent fsynced, and the small text file ``latest`` is replaced atomically
-with the folder's name. A folder without a manifest is never a checkpoint, so a killed
-save leaves nothing that looks complete; its temporary folder is removed by the next
-save or resume, once its writer is known to be dead.
-
-On disk::
-
-    root/
-      step_00000100/                 a committed checkpoint: your files, any sub-folders,
-        MANIFEST.json                written last
-        .uploading or .keep          optional pins: retention never deletes this folder
-      latest                         text: the newest committed folder's name (a hint)
-      .tmp-step_00000200.<writer>.<token>/   a save in progress, or a killed one's leftovers
-
-Resume (:func:`latest_valid`) scans the folders, newest by step then created time first,
-and returns the first whose files match its manifest (sizes always, sha256 on request),
-logging one warning for each folder it skips and why. ``latest`` is only a hint for
-people and tools: a missing or stale pointer never hides a valid checkpoint.
-
-What a complete checkpoint holds, so the resumed run continues the same run rather than
-a similar one: the model's and the optimizer's state dicts; the LR scheduler; the global
-step and epoch; the RNG states (Python ``random``, NumPy, torch CPU and CUDA:
-:func:`capture_rng_state`); the data loader's position (samples or batches consumed in
-the epoch, the sampler's epoch and seed, or a stateful loader's ``state_dict()``); the AMP
-grad scaler; and the configuration that produced the run (as a file in the folder, or in
-``metadata``)::
-
-    import torch
-    from sidecar import CheckpointGuard
-    from sidecar.checkpoint import (
-        atomic_checkpoint, capture_rng_state, latest_valid, restore_rng_state)
-
-    root = "/mnt/ckpt/run-42"
-    start_step = 0
-    found = latest_valid(root)                      # None on the first start
-    if found is not None:
-        state = torch.load(found.path / "state.pt", map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        restore_rng_state(state["rng"])
-        start_step = state["step"] + 1              # and skip state["batches_seen"] batches
-
-    guard = CheckpointGuard()                       # from sidecar: asks the daemon when
-    for step in range(start_step, total_steps):
-        with guard.step():
-            ...                                     # one training step
-        if guard.should_save():
-            with guard.saving(), atomic_checkpoint(root, step, keep_last=3) as d:
-                torch.save({"model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(),
-                            "scaler": scaler.state_dict(),
-                            "rng": capture_rng_state(),
-                            "step": step, "batches_seen": batches_seen}, d / "state.pt")
-                (d / "config.json").write_text(config_json)
-        if guard.should_stop():                     # the final save is done
-            break
-
-One writer per checkpoint: with ``torch.distributed`` checkpointing, the ranks must agree
-on the one temporary folder and only one of them may commit; that coordination belongs
-to ``sidecar.integrations``.
+This module is the public API. Beside it: :mod:`sidecar._manifest` (the manifest format
+and the fsync helpers), :mod:`sidecar._leftovers` (who owns a killed save's leftovers,
+and cleaning them) and :mod:`sidecar.rng` (RNG state), whose public names are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
 import math
 import os
-import platform
-import random
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
+from sidecar._leftovers import (
+    FOREIGN_LEFTOVER_AFTER_S,
+    clean_leftovers,
+    clean_quietly,
+    remove_path,
+    writer_tag,
+)
 from sidecar._manifest import (
     MANIFEST_NAME,
     PIN_MARKERS,
@@ -102,6 +41,7 @@ from sidecar._manifest import (
     CheckpointInfo,
     FileEntry,
     Invalid,
+    PathLike,
     check_files,
     fsync_dir,
     read_manifest,
@@ -110,8 +50,10 @@ from sidecar._manifest import (
     sync_tree,
     write_durably,
 )
+from sidecar.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
+    "FOREIGN_LEFTOVER_AFTER_S",
     "LATEST_NAME",
     "MANIFEST_NAME",
     "PIN_MARKERS",
@@ -131,22 +73,14 @@ __all__ = [
 
 _log = logging.getLogger("sidecar.checkpoint")
 
-PathLike = Union[str, "os.PathLike[str]"]
+# The name sidecar.upload.restore (and the tests) import: restore names its own leftovers
+# with it, so they are cleaned like a save's.
+_writer_tag = writer_tag
+
 LATEST_NAME = "latest"
-# Leftovers of a save: ``.tmp-`` (being written), ``.old-`` (the folder a re-save moved
-# aside), ``.del-`` (being pruned). The writer tag says who owns it: a hash of the host
-# (node name + boot id), the pid, and the process start time (pids are reused, in
-# containers within seconds, so a pid alone would keep a dead writer's folder forever).
-_LEFTOVER = re.compile(
-    r"^\.(?P<kind>tmp|old|del)-(?P<name>.+)\."
-    r"(?P<host>[0-9a-f]{8})-(?P<pid>\d{1,10})-(?P<start>\d{1,20})\.(?P<token>[0-9a-f]{8})$"
-)
 # Folders without a manifest that still look like checkpoints (and so are reported as
 # partial rather than ignored): step_00000100, global_step_100, checkpoint-100.
 _STEP_LIKE = re.compile(r"(?:step|checkpoint)[-_]?(\d+)$", re.IGNORECASE)
-# Another host's leftover cannot be checked by pid; it is removed once nothing in it has
-# changed for this long (a live writer keeps touching its files).
-FOREIGN_LEFTOVER_AFTER_S = 3600.0
 
 # Test seam: called with (phase, detail) at each step of a commit, so the crash tests can
 # kill a subprocess at an exact point without sleeping. Never set in production.
@@ -156,136 +90,6 @@ _phase_hook: Optional[Callable[[str, str], None]] = None
 def _phase(name: str, detail: str = "") -> None:
     if _phase_hook is not None:
         _phase_hook(name, detail)
-
-
-# -- who owns a leftover -------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=1)
-def _host_tag() -> str:
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot_id = ""
-    return hashlib.sha256(f"{platform.node()}\0{boot_id}".encode()).hexdigest()[:8]
-
-
-def _proc_stat(pid: int) -> Optional[tuple[str, int]]:
-    """(state, start time in clock ticks) from /proc, or None where there is no /proc."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _writer_tag() -> str:
-    pid = os.getpid()
-    info = _proc_stat(pid)
-    return f"{_host_tag()}-{pid}-{info[1] if info else 0}"
-
-
-def _writer_alive(host: str, pid: int, start: int) -> Optional[bool]:
-    """True or False for a writer on this host; None for another host (unknowable)."""
-    if host != _host_tag():
-        return None
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, owned by another user
-    except (OverflowError, OSError):
-        return False
-    info = _proc_stat(pid)
-    if info is not None:
-        state, current_start = info
-        if state in ("Z", "X", "x"):  # killed, waiting to be reaped
-            return False
-        if start and current_start != start:  # the pid was reused
-            return False
-    return True
-
-
-def _newest_mtime(path: Path) -> float:
-    newest = os.lstat(path).st_mtime
-    for current, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(current, name)).st_mtime)
-            except FileNotFoundError:
-                continue
-    return newest
-
-
-def _remove(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def clean_leftovers(
-    root: PathLike, *, foreign_after_s: float = FOREIGN_LEFTOVER_AFTER_S
-) -> list[Path]:
-    """Remove what killed saves left in ``root``; returns the paths removed or restored.
-
-    Only leftovers whose writer is dead are touched: on this host the pid is checked
-    (with its start time, against pid reuse); another host's leftover (a shared mount)
-    only once nothing in it changed for ``foreign_after_s``. A folder that a re-save had
-    moved aside, whose replacement never arrived, is renamed back rather than removed,
-    so a kill between the two renames never loses the checkpoint. Called by
-    :class:`atomic_checkpoint` and :func:`latest_valid`.
-    """
-    base = Path(root)
-    try:
-        entries = sorted(os.scandir(base), key=lambda entry: entry.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    handled: list[Path] = []
-    now = time.time()
-    for entry in entries:
-        match = _LEFTOVER.match(entry.name)
-        if match is None:
-            continue
-        path = Path(entry.path)
-        try:
-            alive = _writer_alive(match["host"], int(match["pid"]), int(match["start"]))
-            if alive is None:
-                alive = now - _newest_mtime(path) < foreign_after_s
-            if alive:
-                continue
-            final = base / match["name"]
-            if match["kind"] == "old" and not os.path.lexists(final):
-                os.rename(path, final)
-                fsync_dir(base)
-                _log.warning("restored %s: the save that was replacing it was killed", final)
-                handled.append(final)
-                continue
-            _remove(path)
-            _log.info("removed %s, left by a killed save", path)
-            handled.append(path)
-        except FileNotFoundError:
-            continue  # another process cleaned it first
-        except OSError as exc:
-            _log.warning("could not clean %s: %s", path, exc)
-    return handled
-
-
-def _clean_quietly(root: Path) -> None:
-    try:
-        clean_leftovers(root)
-    except OSError as exc:  # e.g. a read-only mount when resuming
-        _log.warning("could not clean leftovers in %s: %s", root, exc)
 
 
 # -- discovery -----------------------------------------------------------------------
@@ -409,7 +213,7 @@ def latest_valid(
     """
     base = Path(root)
     if clean:
-        _clean_quietly(base)
+        clean_quietly(base)
     pointer = _read_pointer(base)
     for candidate in _candidates(base):
         info, reason = _checked(candidate, verify_checksums)
@@ -441,10 +245,10 @@ def _retire(folder: Path) -> None:
     """Delete a checkpoint: first rename it out of sight, so a kill midway never leaves a
     half-deleted folder under a checkpoint's name."""
     token = os.urandom(4).hex()
-    hidden = folder.with_name(f".del-{folder.name}.{_writer_tag()}.{token}")
+    hidden = folder.with_name(f".del-{folder.name}.{writer_tag()}.{token}")
     os.rename(folder, hidden)
     _phase("retired", folder.name)
-    _remove(hidden)
+    remove_path(hidden)
 
 
 def prune(
@@ -586,10 +390,10 @@ class atomic_checkpoint:
         if self._temp is not None:
             raise RuntimeError("an atomic_checkpoint can be entered only once")
         self.root.mkdir(parents=True, exist_ok=True)
-        _clean_quietly(self.root)
+        clean_quietly(self.root)
         self._previous = latest_valid(self.root, clean=False)
         self._check_free_space()
-        self._tag = _writer_tag()
+        self._tag = writer_tag()
         self._token = os.urandom(4).hex()
         temp = self.root / f".tmp-{self.name}.{self._tag}.{self._token}"
         temp.mkdir()
@@ -641,7 +445,7 @@ class atomic_checkpoint:
     def _discard(self, temp: Path) -> None:
         # Never mask the exception that got us here; a leftover is cleaned next time.
         try:
-            _remove(temp)
+            remove_path(temp)
         except OSError as exc:
             _log.warning("could not remove the unfinished %s: %s", temp, exc)
 
@@ -714,87 +518,7 @@ class atomic_checkpoint:
         _phase("parent-synced")
         if aside is not None:
             try:
-                _remove(aside)
+                remove_path(aside)
             except OSError as exc:
                 _log.warning("could not remove the replaced %s: %s", aside, exc)
             _phase("old-removed")
-
-
-# -- RNG -----------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """The global RNG states of Python ``random``, NumPy, torch CPU and CUDA.
-
-    Plain Python values only (lists, ints, floats, strings), so the result survives
-    ``torch.load(weights_only=True)`` (torch's default), JSON and pickle alike. NumPy and
-    torch are included when the program has already imported them: a library never
-    imported has no RNG state worth saving, and importing torch here would cost seconds.
-    CUDA is included once CUDA is initialised (asking earlier would create a context on
-    every visible GPU). Generators you own (a DataLoader's ``torch.Generator``, a NumPy
-    ``Generator``) are yours to save.
-    """
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {"python": [version, list(internal), gauss_next]}
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        name, key, pos, has_gauss, cached = numpy.random.get_state()
-        state["numpy"] = {
-            "bit_generator": str(name),
-            "key": [int(value) for value in key],
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(cached),
-        }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        state["torch"] = torch.get_rng_state().tolist()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`capture_rng_state` captured; parts this process cannot take
-    (NumPy not installed, no GPU now) are skipped with a warning rather than failing the
-    resume."""
-    if "python" in state:
-        version, internal, gauss_next = state["python"]
-        random.setstate((version, tuple(internal), gauss_next))
-    if "numpy" in state:
-        try:
-            import numpy
-        except ImportError:
-            _log.warning("checkpoint holds a NumPy RNG state but NumPy is not installed")
-        else:
-            saved = state["numpy"]
-            numpy.random.set_state(
-                (
-                    saved["bit_generator"],
-                    numpy.asarray(saved["key"], dtype=numpy.uint32),
-                    saved["pos"],
-                    saved["has_gauss"],
-                    saved["gauss"],
-                )
-            )
-    if "torch" in state or "torch_cuda" in state:
-        try:
-            import torch
-        except ImportError:
-            _log.warning("checkpoint holds a torch RNG state but torch is not installed")
-            return
-        if "torch" in state:
-            torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-        cuda_states = state.get("torch_cuda") or []
-        if cuda_states:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if count != len(cuda_states):
-                _log.warning(
-                    "checkpoint holds CUDA RNG states for %d devices, this process sees %d; "
-                    "restoring the first %d",
-                    len(cuda_states),
-                    count,
-                    min(count, len(cuda_states)),
-                )
-            for index, values in enumerate(cuda_states[:count]):
-                torch.cuda.set_rng_state(torch.tensor(values, dtype=torch.uint8), index)
