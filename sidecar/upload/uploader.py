@@ -156,9 +156,11 @@ class Uploader:
     def _cycle(self) -> float:
         """One scan and at most one upload attempt. Returns how long to sleep."""
         self._watch.ensure()
+        # Local first: /v1/uploads lists every complete checkpoint as pending even while
+        # storage cannot be reached.
+        self._scan()
         now = self._clock()
         if now < self._storage_retry_at:
-            self._scan()
             return min(self.config.scan_interval_seconds, self._storage_retry_at - now)
         if not self._prepared:
             try:
@@ -168,7 +170,6 @@ class Uploader:
                                                   "listing unfinished uploads"))
                 return 0.0
             self._prepared = True
-        self._scan()
         record = self._next()
         if record is None:
             return self._idle_seconds()
