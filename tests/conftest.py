@@ -17,6 +17,21 @@ FAIL_ON_SKIP = "SIDECAR_TESTS_FAIL_ON_SKIP"
 ALLOWED_SKIPS = ("cannot boot systemd in namespaces here",)
 
 
+@pytest.fixture(scope="module")
+def s3() -> Any:
+    """A real S3-protocol server (moto) on loopback, one per test module."""
+    from test_upload_support import running_s3  # moto only for the tests that ask
+
+    with running_s3() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: Any, request: pytest.FixtureRequest) -> Any:
+    """A fresh bucket named after the test."""
+    return s3.bucket("t-" + request.node.name.replace("_", "-").lower()[:50].strip("-"))
+
+
 def _unexpected_skips(session: pytest.Session) -> list[Any]:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     skipped = reporter.stats.get("skipped", []) if reporter is not None else []

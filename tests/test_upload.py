@@ -27,23 +27,11 @@ from sidecar.upload.location import S3Location
 from sidecar.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with running_s3() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     isolate_aws_env(monkeypatch)
     yield
     transfer._phase_hook = None
-
-
-@pytest.fixture
-def bucket(s3: S3Server, request: pytest.FixtureRequest) -> S3Location:
-    name = "t-" + request.node.name.replace("_", "-").lower()[:50].strip("-")
-    return s3.bucket(name)
 
 
 def start_uploader(

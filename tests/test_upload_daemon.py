@@ -14,7 +14,6 @@ import sys
 import textwrap
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from test_upload_support import (
     S3Server,
     isolate_aws_env,
     make_checkpoint,
-    running_s3,
     wait_for,
 )
 
@@ -39,12 +37,6 @@ from sidecar.upload.uploader import MARKER_NAME
 
 STATIC = {"sources": ("static",), "expires_at": "2030-01-01T00:00:00Z"}
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with running_s3() as server:
-        yield server
 
 
 @pytest.fixture(autouse=True)

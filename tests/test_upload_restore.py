@@ -5,7 +5,6 @@ command's errors are one clear line with a useful exit code."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from test_upload_support import (
     S3Server,
     isolate_aws_env,
     make_checkpoint,
-    running_s3,
 )
 
 from sidecar.checkpoint import LATEST_NAME, latest_valid
@@ -26,21 +24,9 @@ from sidecar.upload.restore import EXIT_NOTHING, RestoreError, restore
 from sidecar.upload.transfer import upload_checkpoint
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with running_s3() as server:
-        yield server
-
-
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch) -> None:
     isolate_aws_env(monkeypatch)
-
-
-@pytest.fixture
-def bucket(s3: S3Server, request: pytest.FixtureRequest) -> S3Location:
-    name = "r-" + request.node.name.replace("_", "-").lower()[:50].strip("-")
-    return s3.bucket(name)
 
 
 def upload(s3: S3Server, location: S3Location, root: Path, step: int,
