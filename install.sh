@@ -397,7 +397,7 @@ install_venv() {
 	if ((dry_run)); then
 		return 0
 	fi
-	if ! "$venv/bin/python" -c 'import fastapi, uvicorn, sidecar.daemon' 2>"$work/import.err"; then
+	if ! "$venv/bin/python" -c 'import fastapi, uvicorn, sidecar.host.daemon' 2>"$work/import.err"; then
 		cat "$work/import.err" >&2
 		die 1 "the venv lacks the [server] extra after pip install (see above)"
 	fi
@@ -469,13 +469,13 @@ write_env_lines() {
 # The installed package checks the file the way the daemon will read it: a typo stops
 # the install here, not the service at every restart.
 validate_env() { # validate_env FILE
-	if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import sidecar.config' 2>/dev/null; then
+	if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import sidecar.host.settings' 2>/dev/null; then
 		say "note: not checking the settings (esi-sidecar is not installed in $venv yet)"
 		return 0
 	fi
 	"$venv/bin/python" - "$1" <<'PY'
 import re, sys
-from sidecar.config import OPTIONS, ConfigError, load_settings
+from sidecar.host.settings import OPTIONS, ConfigError, load_settings
 
 path = sys.argv[1]
 environ = {}

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.checkpoint import atomic_checkpoint
+from sidecar.train.checkpoint import atomic_checkpoint
+from sidecar.train.durable import fsync_path
 
 SIZES_MB = (200, 500)
 REPEATS = 5
@@ -54,14 +55,6 @@ def _filesystem(path: Path) -> str:
     return kind
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _timed(action: Callable[[], None]) -> float:
     os.sync()
     started = time.perf_counter()
@@ -83,8 +76,8 @@ def _measure(workdir: Path, megabytes: int) -> dict[str, Any]:
 
     def plain_fsync() -> None:
         torch.save(state, plain_path)
-        _fsync(plain_path)
-        _fsync(workdir)
+        fsync_path(plain_path)
+        fsync_path(workdir)
 
     def atomic(checksum: bool) -> Callable[[], None]:
         def save() -> None:

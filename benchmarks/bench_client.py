@@ -22,10 +22,10 @@ from benchmarks.bench_daemon import (
     wait_healthy,
 )
 from benchmarks.load import median, percentile
-from sidecar.client import SidecarClient
-from sidecar.emulator import Emulator
-from sidecar.guard import CheckpointGuard
 from sidecar.timeparse import parse_timestamp
+from sidecar.tools.emulator import Emulator
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
 
 __all__ = ["main_notice", "main_overhead"]
 
@@ -317,7 +317,7 @@ def main_notice(quick: bool = False) -> dict[str, Any]:
             "The daemon's view is probed every 5 ms with a second client, the guard's every "
             "2 ms step.",
             "By design the daemon's worst case is 1.1 P plus one poll's duration (the poller "
-            "waits P +-10 %, `sidecar/poller.py:next_delay`), so for P > 1 s the "
+            "waits P +-10 %, `sidecar/host/poller.py:next_delay`), so for P > 1 s the "
             "'P + 100 ms' target can be missed even when nothing is slow; the guard adds up "
             "to `refresh_seconds` on top.",
         ],

@@ -35,7 +35,7 @@ from benchmarks.load import (
 )
 
 if TYPE_CHECKING:
-    from sidecar.emulator import Emulator
+    from sidecar.tools.emulator import Emulator
 
 __all__ = [
     "ServerProcess",
@@ -188,8 +188,8 @@ def wait_healthy(server: ServerProcess, path: str = "/healthz",
 
 def uvicorn_settings_mismatch() -> list[str]:
     """Differences between the ceiling's uvicorn settings and the daemon's make_server()."""
-    from sidecar.config import Settings
-    from sidecar.daemon import build_daemon, make_server
+    from sidecar.host.daemon import build_daemon, make_server
+    from sidecar.host.settings import Settings
 
     daemon = build_daemon(Settings(sources=("static",), expires_at=static_deadline()))
     config = make_server(daemon).config
@@ -219,8 +219,8 @@ def app_cost_per_request(calls: int, repeats: int) -> dict[str, float]:
     import asyncio
 
     from benchmarks.load import make_ceiling_app
-    from sidecar.config import Settings
-    from sidecar.daemon import build_daemon
+    from sidecar.host.daemon import build_daemon
+    from sidecar.host.settings import Settings
     from sidecar.models import KIND_SCHEDULED_RELEASE, Observation
 
     daemon = build_daemon(Settings(sources=("static",), expires_at=static_deadline()))
@@ -280,8 +280,8 @@ def sync_handlers() -> list[str]:
     """The daemon's GET routes whose handler is a plain ``def`` (run in a worker thread)."""
     import inspect
 
-    from sidecar.config import Settings
-    from sidecar.daemon import build_daemon
+    from sidecar.host.daemon import build_daemon
+    from sidecar.host.settings import Settings
 
     app = build_daemon(Settings(sources=("static",), expires_at=static_deadline())).app
     found = []
@@ -402,7 +402,7 @@ def main_throughput(quick: bool = False) -> dict[str, Any]:
         "ceiling": "raw ASGI function (the ceiling)",
         "fastapi-async": "minimal FastAPI app, one `async def` route, same kind of Response",
         "fastapi-sync": "minimal FastAPI app, one plain `def` route, same kind of Response",
-        "daemon": "the daemon's app (`sidecar.api.create_app`)",
+        "daemon": "the daemon's app (`sidecar.host.api.create_app`)",
     }
     cost_rows = [
         [label, _fmt(cost[key] * 1e6, 1), f"{cost[key] / cost['fastapi-async']:.2f}"]
@@ -438,7 +438,7 @@ def main_throughput(quick: bool = False) -> dict[str, Any]:
         notes.append("WARNING: ceiling and daemon uvicorn settings differ: " + "; ".join(mismatch))
     else:
         notes.append("uvicorn settings of the ceiling checked equal to "
-                     "`sidecar/daemon.py:make_server` at run time: "
+                     "`sidecar/host/daemon.py:make_server` at run time: "
                      + ", ".join(f"{k}={v!r}" for k, v in CEILING_UVICORN_SETTINGS.items()) + ".")
     return {
         "title": "Daemon `/v1/expiry` throughput and latency",
@@ -492,7 +492,7 @@ def cpu_seconds(pid: int) -> float:
 @contextmanager
 def emulator_env() -> Iterator[tuple[Emulator, dict[str, str]]]:
     """An in-process emulator (started), and the environment a daemon needs for it."""
-    from sidecar.emulator import Emulator
+    from sidecar.tools.emulator import Emulator
 
     emulator = Emulator(access_key=EMULATOR_ACCESS_KEY, secret_key=EMULATOR_SECRET_KEY,
                         region="cn-beijing", instance_id="i-bench0001",

@@ -10,7 +10,7 @@ each to a fresh prefix, with the same ``TransferConfig`` (64 MiB parts, 8 at onc
 
 - ``boto3``: ``client.upload_file(path, bucket, key, Config=config)`` for each file, one
   after the other: what a plain upload script does;
-- ``uploader``: ``sidecar.upload.Uploader`` from ``start()`` until the checkpoint is
+- ``uploader``: ``sidecar.host.upload.Uploader`` from ``start()`` until the checkpoint is
   durable: the folder scan, the remote-manifest check, every file through boto3's transfer
   manager (files and parts in parallel), HeadObject of every object, the manifest last.
 
@@ -76,10 +76,10 @@ def _empty(client: Any, bucket: str) -> None:
 
 def _measure(files_mb: tuple[int, ...], repeats: int) -> dict[str, Any]:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    from sidecar.checkpoint import atomic_checkpoint
-    from sidecar.upload.location import S3Location
-    from sidecar.upload.storage import StorageConfig, make_client, transfer_config
-    from sidecar.upload.uploader import Uploader, UploaderConfig
+    from sidecar.host.upload.location import S3Location
+    from sidecar.host.upload.storage import StorageConfig, make_client, transfer_config
+    from sidecar.host.upload.uploader import Uploader, UploaderConfig
+    from sidecar.train.checkpoint import atomic_checkpoint
 
     server, endpoint = _start_moto()
     try:

@@ -46,8 +46,8 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Must match sidecar/daemon.py:make_server (bench_daemon checks it at run time). Copied,
-# not imported: importing sidecar.daemon pulls in FastAPI, which would inflate the
+# Must match sidecar/host/daemon.py:make_server (bench_daemon checks it at run time). Copied,
+# not imported: importing sidecar.host.daemon pulls in FastAPI, which would inflate the
 # ceiling's own start-up time and memory that the footprint benchmark compares with.
 CEILING_UVICORN_SETTINGS: dict[str, Any] = {
     "log_config": None,
@@ -88,7 +88,7 @@ def median(values: Sequence[float]) -> float:
 def _connect(host: str, port: int, timeout: float) -> http.client.HTTPConnection:
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     connection.connect()
-    # As sidecar.client does: a request is one small write, never held back by Nagle.
+    # As sidecar.train.client does: a request is one small write, never held back by Nagle.
     connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return connection
 
@@ -279,7 +279,7 @@ def make_ceiling_app(body: bytes) -> Callable[[dict[str, Any], Receive, Send], A
 
 
 def _listen_socket(host: str, port: int) -> socket.socket:
-    """Made like sidecar/daemon.py:bind_sockets (IPPROTO_TCP, so asyncio sets NODELAY)."""
+    """Made like sidecar/host/daemon.py:bind_sockets (IPPROTO_TCP, so asyncio sets NODELAY)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

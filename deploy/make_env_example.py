@@ -1,5 +1,5 @@
 """Write deploy/esi-sidecar.env.example (or the settings table of docs/deploy.md) from
-``sidecar.config.OPTIONS``, the one table of daemon settings, so the two cannot drift.
+``sidecar.host.settings.OPTIONS``, the one table of daemon settings, so the two cannot drift.
 
     python deploy/make_env_example.py > deploy/esi-sidecar.env.example
     python deploy/make_env_example.py --markdown      # the table in docs/deploy.md
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from sidecar.config import OPTIONS, Option
+from sidecar.host.settings import OPTIONS, Option
 
 # A value worth showing for the settings whose metavar says little; the rest show it.
 EXAMPLES = {
@@ -52,7 +52,7 @@ HEADER = """\
 # An unset or empty variable means the default. A flag given to `esi-sidecar serve`
 # wins over its variable. After a change: systemctl restart esi-sidecar
 #
-# Generated from sidecar.config.OPTIONS by deploy/make_env_example.py: do not edit.
+# Generated from sidecar.host.settings.OPTIONS by deploy/make_env_example.py: do not edit.
 
 # --- credentials: the Volcengine SDK's chain. Leave all three unset to use the
 # instance's role. Never logged, served or written to the state file.

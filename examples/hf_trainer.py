@@ -25,8 +25,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from sidecar import SavePolicy
-from sidecar.client import ENV_DEADLINE_VARIABLES
 from sidecar.integrations.transformers import EsiCheckpointCallback, latest_complete_checkpoint
+from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
 
 class RandomTokens(torch.utils.data.Dataset):

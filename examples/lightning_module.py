@@ -25,12 +25,12 @@ import lightning.pytorch as pl
 import torch
 
 from sidecar import SavePolicy
-from sidecar.client import ENV_DEADLINE_VARIABLES
 from sidecar.integrations.lightning import (
     EsiCheckpointCallback,
     checkpoint_step,
     latest_checkpoint,
 )
+from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
 
 class TinyRegression(pl.LightningModule):

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from sidecar import SavePolicy
-from sidecar.checkpoint import atomic_checkpoint, latest_valid
-from sidecar.client import ENV_DEADLINE_VARIABLES
 from sidecar.integrations.distributed import distributed_guard
+from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,

@@ -32,7 +32,7 @@ if ! "$PYTHON" -c 'import verl' 2>/dev/null; then
     exit 2
 fi
 ESI_SIDECAR_URL="$ESI_SIDECAR_URL" "$PYTHON" - <<'EOF'
-from sidecar.client import SidecarClient
+from sidecar.train.client import SidecarClient
 
 client = SidecarClient()  # reads ESI_SIDECAR_URL
 answer = client.expiry()

@@ -1,15 +1,19 @@
 """esi-sidecar: save your checkpoint before a reclaimable GPU machine is released.
 
 Only the training-side API is re-exported here; importing ``sidecar`` never pulls in
-the daemon's dependencies (standard library only).
+the daemon's dependencies (standard library only). Where things are: ``sidecar.train``
+(the training side), ``sidecar.integrations`` (frameworks), ``sidecar.host`` (the daemon),
+``sidecar.tools`` (emulator, simulator, demo); see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from sidecar.client import SidecarClient, env_deadline
-from sidecar.guard import CheckpointGuard, GuardStatus, Reducer
 from sidecar.models import Decision, Expiry
-from sidecar.policy import PolicyDecision, SavePolicy
+from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.train.client import SidecarClient
+from sidecar.train.deadline import env_deadline
+from sidecar.train.guard import CheckpointGuard, GuardStatus, Reducer
+from sidecar.train.policy import PolicyDecision, SavePolicy
 
 __version__ = "0.1.0"
 
@@ -23,5 +27,7 @@ __all__ = [
     "SavePolicy",
     "SidecarClient",
     "__version__",
+    "atomic_checkpoint",
     "env_deadline",
+    "latest_valid",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,8 +18,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from sidecar import __version__
-from sidecar.config import add_arguments, parse_address
-from sidecar.models import Expiry, decide
+from sidecar.host.settings import RESTORE_FLAGS, add_arguments, parse_address
+from sidecar.models import Expiry
+from sidecar.train.client import DEFAULT_URL, ENV_URL, SidecarClient
+from sidecar.train.policy import DEFAULT_REDUNDANT_SECONDS, DEFAULT_SAVE_SECONDS, seed_rule
 
 EXIT_SAVE_NOW = 0
 EXIT_NOT_YET = 1
@@ -83,16 +84,14 @@ class UsageError(Exception):
 
 
 def _fetch(args: argparse.Namespace) -> Optional[Expiry]:
-    from sidecar.client import SidecarClient
-
     try:
         client = SidecarClient(args.url, timeout=args.timeout)
     except ValueError as exc:
         raise UsageError(f"--url: {exc}") from None
     expiry = client.expiry()
     if expiry is None:
-        where = args.url or os.environ.get("ESI_SIDECAR_URL") or "http://127.0.0.1:8791"
-        reason = client.last_error or f"{where}: no answer"  # names the URL already
+        # last_error names the URL already
+        reason = client.last_error or f"{', '.join(client.urls)}: no answer"
         print(f"esi-sidecar: cannot reach the daemon: {reason}", file=sys.stderr)
         print("  is it running?  systemctl status esi-sidecar  |  esi-sidecar serve --help",
               file=sys.stderr)
@@ -119,7 +118,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if expiry.remaining_seconds is None:
         print("unknown: no deadline is known")
         return EXIT_UNKNOWN
-    save_now, budget = decide(
+    save_now, budget = seed_rule(
         expiry.remaining_seconds, args.step_seconds, args.save_seconds, args.redundant_seconds
     )
     remaining = format_duration(expiry.remaining_seconds)
@@ -147,7 +146,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from sidecar.config import ConfigError, load_settings
+        from sidecar.host.settings import ConfigError, load_settings
     except ImportError as exc:  # pragma: no cover - depends on the install
         return _missing_server_extra(exc)
     try:
@@ -160,7 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        from sidecar.daemon import run
+        from sidecar.host.daemon import run
     except ImportError as exc:
         return _missing_server_extra(exc)
     try:
@@ -180,7 +179,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"esi-sidecar emulate: invalid --listen {args.listen!r}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from sidecar.emulator import Emulator
+    from sidecar.tools.emulator import Emulator
 
     emulator = Emulator(
         access_key=args.access_key,
@@ -216,45 +215,28 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     """Fetch the newest complete remote checkpoint into a folder (docs/upload.md)."""
+    from sidecar.host.settings import RESTORE_FLAGS, ConfigError, load_settings, storage_options
+
     try:
-        from sidecar.upload.location import parse_s3_url
-        from sidecar.upload.restore import RestoreError, restore
-        from sidecar.upload.storage import StorageConfig
+        from sidecar.host.upload.location import parse_s3_url
+        from sidecar.host.upload.restore import RestoreError, restore
+        from sidecar.host.upload.storage import StorageConfig
     except ImportError as exc:  # pragma: no cover - depends on the install
-        print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): pip install boto3, "
-              "or pip install 'esi-sidecar[server]'", file=sys.stderr)
+        print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): "
+              "pip install 'esi-sidecar[upload]'", file=sys.stderr)
         return EXIT_USAGE
-    env = os.environ
-    source = args.source or env.get("ESI_SIDECAR_UPLOAD_TO")
-    target = args.to or env.get("ESI_SIDECAR_UPLOAD_FROM")
-    if not source or not target:
+    try:
+        settings = load_settings(vars(args), flags=RESTORE_FLAGS)
+    except ConfigError as exc:
+        print(f"esi-sidecar restore: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if settings.upload_to is None or settings.upload_from is None:
         print("esi-sidecar restore: give --from s3://BUCKET/PREFIX and --to DIR (or set "
               "ESI_SIDECAR_UPLOAD_TO and ESI_SIDECAR_UPLOAD_FROM)", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        location = parse_s3_url(source)
-    except ValueError as exc:
-        print(f"esi-sidecar restore: invalid --from {source!r}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    endpoint = args.endpoint or env.get("ESI_SIDECAR_UPLOAD_ENDPOINT") or None
-    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
-        print(f"esi-sidecar restore: invalid --endpoint {endpoint!r}: must start with http:// "
-              "or https://", file=sys.stderr)
-        return EXIT_USAGE
-    access_key = env.get("ESI_SIDECAR_UPLOAD_ACCESS_KEY") or None
-    secret_key = env.get("ESI_SIDECAR_UPLOAD_SECRET_KEY") or None
-    if (access_key is None) != (secret_key is None):
-        print("esi-sidecar restore: set both ESI_SIDECAR_UPLOAD_ACCESS_KEY and "
-              "ESI_SIDECAR_UPLOAD_SECRET_KEY, or neither", file=sys.stderr)
-        return EXIT_USAGE
-    storage = StorageConfig(
-        endpoint=endpoint.rstrip("/") if endpoint else None,
-        region=args.region or env.get("ESI_SIDECAR_UPLOAD_REGION") or None,
-        access_key=access_key,
-        secret_key=secret_key,
-        addressing_style=args.addressing_style,
-        concurrency=args.concurrency,
-    )
+    location = parse_s3_url(settings.upload_to)
+    target = settings.upload_from
+    storage = StorageConfig(**storage_options(settings))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -316,12 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Poll the deadline sources and serve /v1/expiry, /v1/decision, /healthz "
         "and /metrics. Every flag has an ESI_SIDECAR_* variable; the flag wins.",
     )
-    add_arguments(serve)  # the settings table lives in sidecar.config (stdlib only)
+    add_arguments(serve)  # the settings table lives in sidecar.host.settings (stdlib only)
     serve.set_defaults(func=cmd_serve)
 
     def client_options(sub: argparse.ArgumentParser, timeout: float = 2.0) -> None:
         sub.add_argument("--url", help="daemon URL(s), comma-separated (default: "
-                         "$ESI_SIDECAR_URL, else http://127.0.0.1:8791)")
+                         f"${ENV_URL}, else {DEFAULT_URL})")
         sub.add_argument("--timeout", type=_timeout, default=timeout,
                          help=f"seconds to wait for the daemon (default {timeout:g})")
 
@@ -341,10 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     client_options(check)
     check.add_argument("--step-seconds", type=_positive_float, required=True,
                        help="the longest recent training step, seconds")
-    check.add_argument("--save-seconds", type=_positive_float, default=60.0,
-                       help="how long one save takes (default 60)")
-    check.add_argument("--redundant-seconds", type=_positive_float, default=120.0,
-                       help="safety margin (default 120)")
+    check.add_argument("--save-seconds", type=_positive_float, default=DEFAULT_SAVE_SECONDS,
+                       help=f"how long one save takes (default {DEFAULT_SAVE_SECONDS:g})")
+    check.add_argument("--redundant-seconds", type=_positive_float,
+                       default=DEFAULT_REDUNDANT_SECONDS,
+                       help=f"safety margin (default {DEFAULT_REDUNDANT_SECONDS:g})")
     check.set_defaults(func=cmd_check)
 
     env = commands.add_parser(
@@ -394,28 +377,18 @@ def build_parser() -> argparse.ArgumentParser:
         "or boto3's chain (AWS_ACCESS_KEY_ID, ...). Exit 0: restored (or already there); "
         "3: no complete checkpoint (a fresh start); 1: failed; 2: usage error.",
     )
-    restore.add_argument("--from", dest="source", metavar="s3://BUCKET/PREFIX",
-                         help="where the uploader put them (default $ESI_SIDECAR_UPLOAD_TO)")
-    restore.add_argument("--to", metavar="DIR", help="local checkpoint root (default "
-                         "$ESI_SIDECAR_UPLOAD_FROM)")
-    restore.add_argument("--endpoint", metavar="URL", help="S3 endpoint, e.g. "
-                         "https://tos-s3-cn-beijing.volces.com (default "
-                         "$ESI_SIDECAR_UPLOAD_ENDPOINT, else AWS S3)")
-    restore.add_argument("--region", help="signing region (default $ESI_SIDECAR_UPLOAD_REGION,"
-                         " else from a TOS endpoint's name)")
+    # --from, --to, --endpoint, --region, --concurrency, --addressing-style: the daemon's
+    # upload settings, from the one table (with their ESI_SIDECAR_UPLOAD_* variables).
+    add_arguments(restore, flags=RESTORE_FLAGS)
     restore.add_argument("--step", type=int, metavar="N",
                          help="this step instead of the newest")
-    restore.add_argument("--concurrency", type=int, default=8, metavar="N",
-                         help="parallel downloads (default 8)")
-    restore.add_argument("--addressing-style", choices=("auto", "path", "virtual"),
-                         default="auto", help="S3 addressing style (default auto)")
     restore.add_argument("--no-verify", action="store_true",
                          help="skip the sha256 check (sizes are always checked)")
     restore.add_argument("-v", "--verbose", action="store_true", help="log progress")
     restore.set_defaults(func=cmd_restore)
 
-    from sidecar.demo import add_demo_command
-    from sidecar.simulate import add_simulate_command
+    from sidecar.tools.demo import add_demo_command
+    from sidecar.tools.simulate import add_simulate_command
 
     add_demo_command(commands)
     add_simulate_command(commands)

@@ -13,13 +13,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = [
+    "DEFAULT_LISTEN",
     "KIND_PREEMPTION",
     "KIND_SCHEDULED_RELEASE",
     "Decision",
     "Expiry",
     "Observation",
-    "decide",
 ]
+
+# The daemon's default address (ARCHITECTURE.md, "HTTP contract"): the daemon listens on it
+# and the client asks it unless told otherwise.
+DEFAULT_LISTEN = "127.0.0.1:8791"
 
 KIND_SCHEDULED_RELEASE = "scheduled-release"
 KIND_PREEMPTION = "preemption-notice"
@@ -57,7 +61,7 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
 @dataclass(frozen=True)
 class Observation:
     """One successful poll of a source; ``expires_at_unix`` is None when no release is
-    scheduled. Defined here, not in ``sidecar.sources``, so the store and the API need
+    scheduled. Defined here, not in ``sidecar.host.sources``, so the store and the API need
     nothing from the sources."""
 
     expires_at_unix: Optional[float]
@@ -140,18 +144,3 @@ class Decision:
             stale=_flag(body, "stale"),
         )
 
-
-def decide(
-    remaining_seconds: Optional[float],
-    step_seconds: float,
-    save_seconds: float,
-    redundant_seconds: float,
-) -> tuple[bool, float]:
-    """The seed rule: save when ``0 < remaining <= step + save + redundant``.
-
-    Returns ``(save_now, budget_seconds)``. No deadline, or one already passed, never
-    asks for a save: there is nothing left to save before.
-    """
-    budget = step_seconds + save_seconds + redundant_seconds
-    save_now = remaining_seconds is not None and 0 < remaining_seconds <= budget
-    return save_now, budget

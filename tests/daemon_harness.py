@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sidecar.config import Settings
-from sidecar.daemon import Daemon, bind_sockets, build_daemon, make_server
-from sidecar.poller import Poller
-from sidecar.store import Store
+from sidecar.host.daemon import Daemon, bind_sockets, build_daemon, make_server
+from sidecar.host.poller import Poller
+from sidecar.host.settings import Settings
+from sidecar.host.store import Store
 
 
 @dataclass

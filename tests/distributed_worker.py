@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sidecar.client import SidecarClient
-from sidecar.guard import CheckpointGuard
 from sidecar.integrations.distributed import (
     TorchReducer,
     distributed_guard,
     reducer_if_distributed,
 )
-from sidecar.policy import SavePolicy
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 
 def main(config: dict[str, Any]) -> None:

@@ -171,9 +171,9 @@ def test_fast_path_answers_exactly_like_the_routed_handler() -> None:
 
     from fastapi.routing import APIRoute
 
-    from sidecar.api import create_app
+    from sidecar.host.api import create_app
+    from sidecar.host.store import Store
     from sidecar.models import Expiry, Observation
-    from sidecar.store import Store
 
     store = Store(["static"], stale_after=90, clock=lambda: 1000.0)
     store.record_success("static", Observation(expires_at_unix=1900000000.0, kind="k"))

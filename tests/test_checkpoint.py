@@ -1,4 +1,4 @@
-"""sidecar.checkpoint: atomic commit, crash safety, validation, retention, RNG state.
+"""sidecar.train.checkpoint: atomic commit, crash safety, validation, retention, RNG state.
 
 Everything runs on real files under tmp_path. The crash tests run a real writer in a
 subprocess and SIGKILL it at exact points of a save: the writer reports each phase on
@@ -26,8 +26,9 @@ from typing import Any, Optional
 
 import pytest
 
-from sidecar import checkpoint
-from sidecar.checkpoint import (
+from sidecar.timeparse import parse_timestamp
+from sidecar.train import checkpoint
+from sidecar.train.checkpoint import (
     LATEST_NAME,
     MANIFEST_NAME,
     CheckpointError,
@@ -41,7 +42,7 @@ from sidecar.checkpoint import (
     restore_rng_state,
     validate,
 )
-from sidecar.timeparse import parse_timestamp
+from sidecar.train.leftovers import writer_tag
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,7 +262,7 @@ def test_corrupt_checkpoints_are_skipped_with_a_reason(
     if needs_checksums:  # same sizes: only the hash can tell
         assert latest_valid(tmp_path) == newer
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
         assert latest_valid(tmp_path, verify_checksums=needs_checksums) == older
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 1
@@ -282,7 +283,7 @@ def test_partial_folders_and_foreign_folders(
     (tmp_path / "step_00000009").mkdir()  # a step-like folder with no manifest
     (tmp_path / "step_00000009" / "model.bin").write_bytes(b"half")
     (tmp_path / "tensorboard").mkdir()  # not a checkpoint at all: not even listed
-    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
         assert latest_valid(tmp_path) == older
     assert any(
         "step_00000009" in r.getMessage() and "no MANIFEST" in r.getMessage()
@@ -307,7 +308,7 @@ def test_pointer_at_a_deleted_folder_falls_back_to_scanning(
     newer = save(tmp_path, 2)
     shutil.rmtree(newer.path)
     assert (tmp_path / LATEST_NAME).read_text() == "step_00000002\n"
-    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
         assert latest_valid(tmp_path) == older
     assert any("step_00000002 (missing)" in r.getMessage() for r in caplog.records)
 
@@ -386,7 +387,7 @@ def leftover(root: Path, name: str, tag: str, kind: str = "tmp") -> Path:
 
 
 def test_leftovers_of_live_writers_are_kept_dead_ones_removed(tmp_path: Path) -> None:
-    host, pid, start = checkpoint._writer_tag().split("-")
+    host, pid, start = writer_tag().split("-")
     finished = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
@@ -421,7 +422,7 @@ def test_a_folder_moved_aside_by_a_killed_resave_is_restored(tmp_path: Path) -> 
         text=True,
         check=True,
     )
-    host = checkpoint._writer_tag().split("-")[0]
+    host = writer_tag().split("-")[0]
     aside = tmp_path / f".old-step_00000005.{host}-{int(finished.stdout)}-1.0123abcd"
     os.rename(info.path, aside)
     assert latest_valid(tmp_path) == info
@@ -432,7 +433,7 @@ def test_a_folder_moved_aside_by_a_killed_resave_is_restored(tmp_path: Path) -> 
 
 WRITER = r"""
 import json, os, sys
-from sidecar import checkpoint
+from sidecar.train import checkpoint
 
 args = json.loads(sys.argv[1])
 
@@ -682,7 +683,8 @@ def _top_level_modules_after(statement: str) -> set[str]:
 
 def test_importing_checkpoint_pulls_in_only_the_standard_library() -> None:
     # Compared with a bare interpreter, so site hooks (.pth files) do not count.
-    loaded = _top_level_modules_after("import sidecar.checkpoint") - _top_level_modules_after("")
+    loaded = (_top_level_modules_after("import sidecar.train.checkpoint")
+              - _top_level_modules_after(""))
     forbidden = {
         "torch",
         "numpy",

@@ -20,8 +20,10 @@ from typing import Callable, Optional
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
-from sidecar.client import DEFAULT_URL, DeadlineTracker, SidecarClient, env_deadline
-from sidecar.guard import (
+from sidecar.models import KIND_PREEMPTION, Expiry, Observation
+from sidecar.train.client import DEFAULT_URL, SidecarClient
+from sidecar.train.deadline import DeadlineTracker, env_deadline
+from sidecar.train.guard import (
     UNKNOWN_COVERED,
     UNKNOWN_REMAINING,
     UNKNOWN_SAVE,
@@ -29,12 +31,12 @@ from sidecar.guard import (
     CheckpointGuard,
     Reducer,
 )
-from sidecar.models import KIND_PREEMPTION, Expiry, Observation
-from sidecar.policy import SavePolicy
+from sidecar.train.policy import SavePolicy
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
-CLIENT_LOGGER = "sidecar.client"
+# The client, the deadline tracker and the guard log under their own names below this one.
+TRAIN_LOGGER = "sidecar.train"
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +245,7 @@ def test_a_failing_daemon_keeps_its_last_deadline(caplog: pytest.LogCaptureFixtu
             client = SidecarClient([late.url, early.url])
             assert client.deadline_unix() == pytest.approx(now + 300, abs=1e-3)
             assert client.last_error is None and client.degraded_urls == ()
-        with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+        with caplog.at_level(logging.INFO, logger=TRAIN_LOGGER):
             for _ in range(5):  # once per change, not once per request
                 answer = client.expiry()
                 assert answer is not None
@@ -255,7 +257,8 @@ def test_a_failing_daemon_keeps_its_last_deadline(caplog: pytest.LogCaptureFixtu
                 for _ in range(3):
                     assert client.deadline_unix() == pytest.approx(now + 600, abs=1e-3)
                     assert client.last_error is None and client.degraded_urls == ()
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == CLIENT_LOGGER]
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records
+                if r.name.startswith(TRAIN_LOGGER)]
     assert [level for level, _ in messages] == [logging.WARNING, logging.INFO]
     assert early_url in messages[0][1] and "last known deadline" in messages[0][1]
     client.close()
@@ -299,7 +302,7 @@ def test_default_url_and_bad_environment_entries(
 ) -> None:
     assert SidecarClient().urls == (DEFAULT_URL,)
     monkeypatch.setenv("ESI_SIDECAR_URL", "ftp://nowhere, http://127.0.0.1:9/")
-    with caplog.at_level(logging.WARNING, logger=CLIENT_LOGGER):
+    with caplog.at_level(logging.WARNING, logger=TRAIN_LOGGER):
         client = SidecarClient()
     assert client.urls == ("http://127.0.0.1:9",)
     assert "ignoring ESI_SIDECAR_URL entry" in caplog.text
@@ -468,9 +471,10 @@ def test_env_deadline_order_and_absence() -> None:
 
 
 def test_env_deadline_bad_value_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=CLIENT_LOGGER):
+    with caplog.at_level(logging.WARNING, logger=TRAIN_LOGGER):
         assert env_deadline({MLP: "next tuesday"}) is None
-    warnings = [r for r in caplog.records if r.name == CLIENT_LOGGER]
+    warnings = [r for r in caplog.records
+                if r.name.startswith(TRAIN_LOGGER)]
     assert len(warnings) == 1
     assert MLP in warnings[0].getMessage() and "next tuesday" in warnings[0].getMessage()
     # A bad first variable does not hide a good second one.
@@ -716,7 +720,7 @@ def test_dead_daemon_one_warning_retry_interval_no_stall(
     monotonic = FakeMonotonic()
     client = CountingClient(silent_listener, timeout=0.2)
     guard = simple_guard(client, daemon_retry_seconds=5.0, monotonic=monotonic)
-    with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+    with caplog.at_level(logging.INFO, logger=TRAIN_LOGGER):
         for _ in range(40):
             started = time.monotonic()
             with guard.step():
@@ -743,7 +747,7 @@ def test_daemon_down_keeps_last_deadline_and_recovers(caplog: pytest.LogCaptureF
         assert guard.should_save() is False
         assert guard.status().deadline_source == "daemon"
 
-    with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+    with caplog.at_level(logging.INFO, logger=TRAIN_LOGGER):
         monotonic.advance(1.0)
         for _ in range(20):
             guard.should_save()
@@ -761,7 +765,8 @@ def test_daemon_down_keeps_last_deadline_and_recovers(caplog: pytest.LogCaptureF
             assert status.deadline_unix == pytest.approx(deadline + 60, abs=1e-3)
             assert status.last_error is None
 
-    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == CLIENT_LOGGER]
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records
+                if r.name.startswith(TRAIN_LOGGER)]
     assert [level for level, _ in messages] == [logging.WARNING, logging.INFO]
     assert "using the last known deadline" in messages[0][1]
     assert "reachable again" in messages[1][1]
@@ -834,7 +839,7 @@ def test_guard_with_one_node_down_keeps_its_deadline_and_retries_slowly(
             guard = simple_guard(client, monotonic=monotonic)
             guard.should_save()
             assert guard.status().daemon_reachable is True
-        with caplog.at_level(logging.WARNING, logger=CLIENT_LOGGER):
+        with caplog.at_level(logging.WARNING, logger=TRAIN_LOGGER):
             for _ in range(10):
                 monotonic.advance(1.0)
                 guard.should_save()
@@ -883,7 +888,7 @@ def test_stale_daemon_answer_is_used_and_logged_once(
         client = SidecarClient(daemon.url)
         wait_for(lambda: (client.expiry() or Expiry.from_json({"server_time_unix": 1})).error)
         guard = simple_guard(client, monotonic=monotonic)
-        with caplog.at_level(logging.INFO, logger=CLIENT_LOGGER):
+        with caplog.at_level(logging.INFO, logger=TRAIN_LOGGER):
             for _ in range(3):
                 guard.should_save()
                 monotonic.advance(1.0)

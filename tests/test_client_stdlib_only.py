@@ -2,8 +2,8 @@
 standard library alone, and on the oldest Python we support (3.9) when one is installed.
 
 Each run makes a bare virtual environment (no pip, no site-packages of ours), puts only
-the source tree on the path, and in it imports the training side (``sidecar.client``,
-``sidecar.checkpoint``, the verl and torch.distributed integrations), takes decisions
+the source tree on the path, and in it imports the training side (``sidecar.train.client``,
+``sidecar.train.checkpoint``, the verl and torch.distributed integrations), takes decisions
 against a live daemon (started here, in the test process, which has the server extras),
 runs ``esi-sidecar status`` against it, and lists every server dependency or daemon
 module that got imported.
@@ -25,6 +25,8 @@ from typing import Optional
 
 import pytest
 from daemon_harness import serve_daemon
+
+from sidecar.train.checkpoint import latest_valid
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,12 +52,12 @@ FORBIDDEN_PACKAGES = (
     "volcengine",
 )
 FORBIDDEN_MODULES = (
-    "sidecar.upload",
-    "sidecar.poller",
-    "sidecar.store",
-    "sidecar.api",
-    "sidecar.daemon",
-    "sidecar.sources",
+    "sidecar.host.upload",
+    "sidecar.host.poller",
+    "sidecar.host.store",
+    "sidecar.host.api",
+    "sidecar.host.daemon",
+    "sidecar.host.sources",
 )
 
 CHILD = r"""
@@ -65,11 +67,12 @@ import importlib.util, json, sys
 missing = {name: importlib.util.find_spec(name) is None for name in ("fastapi", "pydantic")}
 
 import sidecar
-import sidecar.checkpoint
+import sidecar.train.checkpoint
 import sidecar.integrations.distributed
 import sidecar.integrations.verl
-from sidecar.client import CheckpointGuard, SidecarClient
-from sidecar.policy import SavePolicy
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 guard = CheckpointGuard(SidecarClient(sys.argv[1]), SavePolicy(save_seconds=100.0), environ={})
 guard.record_step(1.0)
@@ -205,7 +208,7 @@ def test_cli_status_imports_no_server_module(tmp_path: Path) -> None:
         for line in result.stderr.splitlines()
         if line.startswith("import time:") and line.count("|") == 2
     ]
-    assert "sidecar.client" in imported  # sidecar.cli itself runs as __main__
+    assert "sidecar.train.client" in imported  # sidecar.cli itself runs as __main__
     assert _forbidden(imported) == []
 
 
@@ -215,24 +218,26 @@ def test_example_runs_without_torch(tmp_path: Path) -> None:
     with socket.socket() as sock:  # a port nobody listens on: no daemon, env fallback
         sock.bind(("127.0.0.1", 0))
         dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    checkpoint = tmp_path / "checkpoint.json"
+    checkpoints = tmp_path / "checkpoints"
     command = [str(python), str(SOURCE_ROOT / "examples" / "plain_pytorch.py"), "--steps", "50"]
     environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SOURCE_ROOT)}
     environment["ESI_SIDECAR_URL"] = dead_url
     released = subprocess.run(
-        [*command, "--release-in", "170", "--checkpoint", str(checkpoint)],
+        [*command, "--release-in", "170", "--checkpoints", str(checkpoints)],
         capture_output=True,
         text=True,
         env=environment,
         timeout=60,
     )
     assert released.returncode == 0, released.stderr
-    assert "model=ToyModel ran to step 1/50" in released.stdout
+    assert "model=PlainModel ran to step 1/50" in released.stdout
     assert "deadline from env" in released.stdout
-    assert json.loads(checkpoint.read_text())["step"] == 0
+    saved = latest_valid(checkpoints)  # written through atomic_checkpoint, so it validates
+    assert saved is not None and saved.step == 0
+    assert json.loads((saved.path / "state.json").read_text())["step"] == 0
     # Resumed without a deadline: runs to the end from the checkpoint.
     resumed = subprocess.run(
-        [*command, "--checkpoint", str(checkpoint)],
+        [*command, "--checkpoints", str(checkpoints)],
         capture_output=True,
         text=True,
         env=environment,

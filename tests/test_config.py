@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import OPTIONS, ConfigError, Settings, load_settings
+from sidecar.host.settings import OPTIONS, ConfigError, Settings, load_settings
 
 
 def test_defaults() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from daemon_harness import RunningDaemon, get_json, serve_daemon, wait_for
 
-from sidecar.emulator import Emulator
+from sidecar.tools.emulator import Emulator
 
 ACCESS_KEY = "AKLTtestaccesskey0001"
 SECRET_KEY = "c2VjcmV0LXNlY3JldC1zZWNyZXQ="

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sidecar.checkpoint import latest_valid
+from sidecar.train.checkpoint import latest_valid
 
 
 def test_demo_saves_in_time_survives_the_kill_and_resumes(tmp_path: Path) -> None:

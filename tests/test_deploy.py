@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 from daemon_harness import fetch_json, wait_for
 
-from sidecar.client import env_deadline
-from sidecar.config import OPTIONS
+from sidecar.host.settings import OPTIONS
+from sidecar.train.deadline import env_deadline
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_SH = REPO / "install.sh"
@@ -411,7 +411,8 @@ def test_full_install_from_the_package_index(tmp_path: Path) -> None:
                         timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
     python = root / PREFIX.lstrip("/") / "bin" / "python"
-    subprocess.run([str(python), "-c", "import fastapi, uvicorn, volcenginesdkecs, sidecar.daemon"],
+    imports = "import fastapi, uvicorn, volcenginesdkecs, sidecar.host.daemon"
+    subprocess.run([str(python), "-c", imports],
                    check=True, env={"PATH": SYSTEMD_PATH})
     second = run_install("--root", str(root), "--no-start", script=checkout / "install.sh")
     assert "done: everything unchanged" in second.stdout, second.stdout + second.stderr

@@ -18,8 +18,8 @@ import volcenginesdkcore
 import volcenginesdkecs
 from volcenginesdkcore.rest import ApiException
 
-from sidecar.emulator import FAULT_KINDS, Emulator
-from sidecar.emulator.signing import Credentials, sign_headers
+from sidecar.tools.emulator import FAULT_KINDS, Emulator
+from sidecar.tools.emulator.signing import Credentials, sign_headers
 
 AK = "AKLTtest0123456789"
 SK = "test-secret-key-abcdef"

@@ -26,8 +26,9 @@ from typing import Callable, Optional
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
-from sidecar.checkpoint import list_checkpoints
-from sidecar.client import ENV_DEADLINE_VARIABLES, ENV_URL
+from sidecar.train.checkpoint import list_checkpoints
+from sidecar.train.client import ENV_URL
+from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -23,10 +23,10 @@ from daemon_harness import serve_daemon, wait_for
 from rank_launcher import base_environment, free_port, run_framework_ranks, run_ranks
 
 import sidecar.integrations.distributed as distributed
-from sidecar.client import SidecarClient
-from sidecar.guard import CheckpointGuard
 from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
-from sidecar.policy import SavePolicy
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 pytest.importorskip("torch")
 pytest.importorskip("lightning")
@@ -306,7 +306,7 @@ POLICY_WORKER = textwrap.dedent(
     import torch.distributed as dist
     from sidecar.integrations.distributed import TorchReducer
     from sidecar.integrations.lightning import EsiCheckpointCallback
-    from sidecar.policy import SavePolicy
+    from sidecar.train.policy import SavePolicy
 
     class Tiny(pl.LightningModule):
         def __init__(self):

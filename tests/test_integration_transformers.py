@@ -17,9 +17,9 @@ import pytest
 from daemon_harness import serve_daemon, wait_for
 from rank_launcher import run_framework_ranks
 
-from sidecar.client import SidecarClient
-from sidecar.guard import CheckpointGuard
-from sidecar.policy import SavePolicy
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

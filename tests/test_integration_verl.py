@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
-from sidecar.client import DeadlineTracker
 from sidecar.integrations import verl as esi_verl
 from sidecar.integrations.verl import configure, should_save_ckpt_esi
+from sidecar.train.deadline import DeadlineTracker
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import serve_daemon
 
-from sidecar.notify import notify, watchdog_interval
+from sidecar.host.notify import notify, watchdog_interval
 
 
 @pytest.fixture

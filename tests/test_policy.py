@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sidecar.policy import PolicyDecision, SavePolicy
+from sidecar.train.policy import PolicyDecision, SavePolicy
 
 NOW = 1_800_000_000.0  # any fixed wall-clock instant
 

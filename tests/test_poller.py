@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.host.poller import Poller, load_state, next_delay, save_state
+from sidecar.host.sources.env import EnvSource
+from sidecar.host.store import Store
 from sidecar.models import Observation
-from sidecar.poller import Poller, load_state, next_delay, save_state
-from sidecar.sources.env import EnvSource
-from sidecar.store import Store
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 
@@ -49,7 +49,7 @@ def test_poll_once_records_failure_then_recovery_logging_once_per_change(
     environ = {MLP: "garbage"}
     poller, store = make(environ)
     source = poller._sources[0]
-    caplog.set_level(logging.INFO, logger="sidecar.poller")
+    caplog.set_level(logging.INFO, logger="sidecar.host.poller")
     delays = [poller.poll_once(source) for _ in range(3)]
     assert delays[0] < delays[1] < delays[2] < 30  # backing off
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

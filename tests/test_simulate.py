@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.policy import SavePolicy
-from sidecar.simulate import (
+from sidecar.tools.simulate import (
     POLICIES,
     WORKLOADS,
     PolicyFactory,
@@ -18,9 +17,10 @@ from sidecar.simulate import (
     run,
     simulate_run,
 )
-from sidecar.simulate.policies import SidecarPolicy, VerlPolicy
-from sidecar.simulate.report import INFEASIBLE, render_table
-from sidecar.simulate.workloads import DeadlineChange
+from sidecar.tools.simulate.policies import SidecarPolicy, VerlPolicy
+from sidecar.tools.simulate.report import INFEASIBLE, render_table
+from sidecar.tools.simulate.workloads import DeadlineChange
+from sidecar.train.policy import SavePolicy
 
 REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]
 SEEDS = 50
@@ -33,7 +33,7 @@ def test_sidecar_misses_no_feasible_deadline_on_reference_workloads(policy: str)
     for result in results:
         assert result.misses == 0, result
         if result.feasible_runs:
-            assert result.lost_max_s == 0.0, result  # it saved, then stopped: nothing to redo
+            assert result.lost_max_seconds == 0.0, result  # it saved, then stopped: nothing to redo
             assert result.interrupted_saves == 0, result  # and no save was cut
     assert sum(r.feasible_runs for r in results) >= (len(REFERENCE) - 1) * SEEDS
 
@@ -48,16 +48,16 @@ def test_sidecar_misses_no_feasible_deadline_on_reference_workloads(policy: str)
 def test_periodic_save_before_the_notice_is_not_the_final_save(workload: str, seed: int) -> None:
     outcome = simulate_run(WORKLOADS[workload], POLICIES["sidecar+periodic-30"], seed)
     assert outcome.feasible
-    assert (outcome.missed, outcome.lost_s, outcome.interrupted_save) == (False, 0.0, False)
+    assert (outcome.missed, outcome.lost_seconds, outcome.interrupted_save) == (False, 0.0, False)
 
 
-def periodic_then_notice(notice_at_s: float) -> Workload:
-    """20 s steps and 10 s saves, exactly; a notice at ``notice_at_s``, 150 s ahead."""
+def periodic_then_notice(notice_at_seconds: float) -> Workload:
+    """20 s steps and 10 s saves, exactly; a notice at ``notice_at_seconds``, 150 s ahead."""
     return Workload(
         "periodic-then-notice",
         "20 s steps, 10 s saves, a notice 150 s ahead",
         lambda rng: (DeadlineChange(0.0, None),
-                     DeadlineChange(notice_at_s, notice_at_s + 150.0)),
+                     DeadlineChange(notice_at_seconds, notice_at_seconds + 150.0)),
         step_seconds=20.0,
         step_jitter=0.0,
         save_seconds=10.0,
@@ -70,16 +70,16 @@ def test_worked_example_periodic_save_then_notice() -> None:
     # 1970 s) reaches the job at 1850 s, after 40 s of training: within one budget of
     # the periodic save (1800 + 200 s), but that save was not made for it. Save again.
     outcome = simulate_run(periodic_then_notice(1820.0), POLICIES["sidecar+periodic-30"], 0)
-    assert (outcome.saves, outcome.lost_s, outcome.missed) == (2, 0.0, False)
-    assert outcome.idle_s == pytest.approx(1970.0 - 1860.0)  # saved 1850-1860, stopped
+    assert (outcome.saves, outcome.lost_seconds, outcome.missed) == (2, 0.0, False)
+    assert outcome.idle_seconds == pytest.approx(1970.0 - 1860.0)  # saved 1850-1860, stopped
 
 
 def test_worked_example_notice_learned_during_the_periodic_save() -> None:
     # The notice reaches the job at 1805 s, during the periodic save: with nothing
     # trained since, that save is as fresh as a new one. Stop; no second save.
     outcome = simulate_run(periodic_then_notice(1775.0), POLICIES["sidecar+periodic-30"], 0)
-    assert (outcome.saves, outcome.lost_s, outcome.missed) == (1, 0.0, False)
-    assert outcome.idle_s == pytest.approx(1925.0 - 1810.0)
+    assert (outcome.saves, outcome.lost_seconds, outcome.missed) == (1, 0.0, False)
+    assert outcome.idle_seconds == pytest.approx(1925.0 - 1810.0)
 
 
 def test_sidecar_drives_the_real_save_policy() -> None:
@@ -95,16 +95,17 @@ def test_verl_saves_again_and_again_inside_the_window_where_ours_saves_once() ->
         ours = simulate_run(steady, POLICIES["sidecar"], seed)
         assert verl.window_saves >= 2, verl
         assert ours.window_saves == 1 and ours.saves == 1, ours
-        assert ours.saving_s < verl.saving_s
+        assert ours.saving_seconds < verl.saving_seconds
 
 
 def test_worked_example_200_s_left_80_s_steps_60_s_save_120_s_margin_saves_now() -> None:
     ours = SidecarPolicy(save_seconds=60.0, redundant_seconds=120.0)
     ours.record_step(80.0)
     assert ours.should_save(1000.0, 1200.0)
-    assert ours.last_decision is not None and ours.last_decision.budget_seconds == 260.0
+    decision = ours.guard.last_decision
+    assert decision is not None and decision.budget_seconds == 260.0
 
-    verl = VerlPolicy(redundant_s=120.0)
+    verl = VerlPolicy(redundant_seconds=120.0)
     verl.record_step(80.0)
     assert not verl.should_save(1000.0, 1200.0)  # upstream: max_steps_duration is 0 on step 1
     verl.should_stop(1000.0, 1200.0)
@@ -124,12 +125,13 @@ def test_worked_example_through_the_engine() -> None:
     )
     outcome = simulate_run(exact, POLICIES["sidecar"], seed=0)
     # After step 9, 280 s > 260 s budget; after step 10, 200 s left: save, then stop.
-    assert (outcome.steps, outcome.saves, outcome.lost_s, outcome.missed) == (10, 1, 0.0, False)
-    assert outcome.idle_s == pytest.approx(140.0)
+    counts = (outcome.steps, outcome.saves, outcome.lost_seconds, outcome.missed)
+    assert counts == (10, 1, 0.0, False)
+    assert outcome.idle_seconds == pytest.approx(140.0)
 
 
 def test_verl_never_saves_for_esi_when_save_freq_is_not_positive() -> None:
-    verl = VerlPolicy(redundant_s=120.0, save_freq=-1)
+    verl = VerlPolicy(redundant_seconds=120.0, save_freq=-1)
     for step in range(5):
         verl.record_step(20.0)
         assert not verl.should_save(100.0 * step, 100.0 * step + 50.0)
@@ -140,9 +142,9 @@ def test_verl_never_saves_for_esi_when_save_freq_is_not_positive() -> None:
 def test_periodic_30_loses_up_to_its_interval_on_steady_work() -> None:
     steady = WORKLOADS["steady"]
     (result,) = run([steady], ["periodic-30"], seeds=100)
-    assert result.lost_max_s <= 30 * 60 + steady.step_max_s + steady.save_max_s
-    assert result.lost_max_s > 25 * 60
-    assert 10 * 60 < result.lost_mean_s < 20 * 60
+    assert result.lost_max_seconds <= 30 * 60 + steady.step_max_seconds + steady.save_max_seconds
+    assert result.lost_max_seconds > 25 * 60
+    assert 10 * 60 < result.lost_mean_seconds < 20 * 60
     assert result.misses > result.runs // 2  # its last save is rarely in the final window
 
 

@@ -15,10 +15,10 @@ import urllib3
 import volcenginesdkcore
 import volcenginesdkecs
 
-from sidecar.emulator import Emulator
+from sidecar.host.sources import Source, SourceError, create_source
+from sidecar.host.sources.volcengine import VolcengineEsiSource, from_settings
 from sidecar.models import KIND_SCHEDULED_RELEASE
-from sidecar.sources import Source, SourceError, create_source
-from sidecar.sources.volcengine import VolcengineEsiSource, from_settings
+from sidecar.tools.emulator import Emulator
 
 AK = "AKLTsourcetest00000001"
 SK = "source-test-secret-xyz"
@@ -425,7 +425,7 @@ def test_signature_shaped_text_is_scrubbed() -> None:
 def test_error_fields_wherever_the_sdk_left_them(
     body: Optional[str], reason: Optional[str], expected: tuple[Optional[str], Optional[str]]
 ) -> None:
-    from sidecar.sources.volcengine import _error_fields
+    from sidecar.host.sources.volcengine import _error_fields
 
     assert _error_fields(body, reason) == expected
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+from sidecar.host.store import Store
 from sidecar.models import Observation
-from sidecar.store import Store
 
 RELEASE = 2_000_000_000.0
 

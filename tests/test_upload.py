@@ -21,10 +21,10 @@ from test_upload_support import (
     wait_for,
 )
 
-from sidecar.checkpoint import list_checkpoints
-from sidecar.upload import transfer
-from sidecar.upload.location import S3Location
-from sidecar.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
+from sidecar.host.upload import transfer
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
+from sidecar.train.checkpoint import list_checkpoints
 
 
 @pytest.fixture(autouse=True)

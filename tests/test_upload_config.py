@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from sidecar.config import OPTIONS, ConfigError, add_arguments, load_settings
-from sidecar.upload.location import S3Location, parse_s3_url
+from sidecar.host.settings import OPTIONS, ConfigError, add_arguments, load_settings
+from sidecar.host.upload.location import S3Location, parse_s3_url
 
 SECRET = "s3cr3t-Config-Value-99"
 
@@ -81,7 +81,12 @@ def test_storage_choices_without_a_request(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.delenv("AWS_REGION", raising=False)
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-    from sidecar.upload.storage import StorageConfig, _addressing_style, make_client, region_for
+    from sidecar.host.upload.storage import (
+        StorageConfig,
+        _addressing_style,
+        make_client,
+        region_for,
+    )
 
     tos = StorageConfig(endpoint="https://tos-s3-cn-beijing.volces.com")
     assert region_for(tos) == "cn-beijing" and _addressing_style(tos) == "virtual"

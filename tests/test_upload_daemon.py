@@ -29,11 +29,11 @@ from test_upload_support import (
     wait_for,
 )
 
-from sidecar.checkpoint import latest_valid
-from sidecar.client import SidecarClient
-from sidecar.upload.location import S3Location
-from sidecar.upload.restore import EXIT_NOTHING, RestoreError, restore
-from sidecar.upload.uploader import MARKER_NAME
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.restore import EXIT_NOTHING, RestoreError, restore
+from sidecar.host.upload.uploader import MARKER_NAME
+from sidecar.train.checkpoint import latest_valid
+from sidecar.train.client import SidecarClient
 
 STATIC = {"sources": ("static",), "expires_at": "2030-01-01T00:00:00Z"}
 REPO = Path(__file__).resolve().parents[1]
@@ -147,12 +147,12 @@ def test_storage_down_is_degraded_in_uploads_but_healthz_stays_200(
 def test_without_upload_settings_nothing_of_boto3_is_loaded(tmp_path: Path) -> None:
     code = textwrap.dedent("""
         import sys
-        from sidecar.config import Settings
-        from sidecar.daemon import build_daemon
+        from sidecar.host.settings import Settings
+        from sidecar.host.daemon import build_daemon
         build_daemon(Settings(sources=("static",), expires_at="2030-01-01T00:00:00Z"))
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in
                         ("boto3", "botocore", "s3transfer", "watchdog")
-                        or m.startswith("sidecar.upload"))
+                        or m.startswith("sidecar.host.upload"))
         print(",".join(loaded))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -173,7 +173,7 @@ def test_without_upload_settings_nothing_of_boto3_is_loaded(tmp_path: Path) -> N
 _KILLED_DAEMON = textwrap.dedent("""
     import sys, threading
     from pathlib import Path
-    import sidecar.upload.transfer as transfer
+    import sidecar.host.upload.transfer as transfer
     flag = Path(sys.argv[1])
     def hook(phase, detail):
         if phase == "progress" and detail > 6 * 1024 * 1024:

@@ -17,11 +17,11 @@ from test_upload_support import (
     make_checkpoint,
 )
 
-from sidecar.checkpoint import LATEST_NAME, latest_valid
 from sidecar.cli import main
-from sidecar.upload.location import S3Location
-from sidecar.upload.restore import EXIT_NOTHING, RestoreError, restore
-from sidecar.upload.transfer import upload_checkpoint
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.restore import EXIT_NOTHING, RestoreError, restore
+from sidecar.host.upload.transfer import upload_checkpoint
+from sidecar.train.checkpoint import LATEST_NAME, latest_valid
 
 
 @pytest.fixture(autouse=True)

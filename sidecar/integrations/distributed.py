@@ -6,7 +6,7 @@ steps, so without agreement one rank may decide to save a step before the others
 then waits inside the save's collective while the others wait inside the next step's:
 the job hangs until the process-group timeout, right before the machine is released.
 
-:class:`TorchReducer` implements :class:`sidecar.guard.Reducer` with ONE ``all_reduce``
+:class:`TorchReducer` implements :class:`sidecar.train.guard.Reducer` with ONE ``all_reduce``
 per decision (float64, four numbers: MIN of the remaining time, MAX of step, save and
 cover, the MAX ones negated so a single MIN serves all four).
 
@@ -24,8 +24,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from sidecar.guard import CheckpointGuard, Reducer
-from sidecar.policy import SavePolicy
+from sidecar.train.guard import CheckpointGuard, Reducer
+from sidecar.train.policy import SavePolicy
 
 _log = logging.getLogger("sidecar.integrations.distributed")
 
@@ -37,7 +37,7 @@ _CPU_BACKENDS = ("gloo", "mpi", "ucc")
 
 
 class TorchReducer:
-    """The :class:`~sidecar.guard.Reducer` for ``torch.distributed``.
+    """The :class:`~sidecar.train.guard.Reducer` for ``torch.distributed``.
 
     - ``group``: the process group whose ranks must agree (default: the world).
     - ``device``: where the four numbers travel. Default: chosen from the group's backend
@@ -117,7 +117,7 @@ def reducer_if_distributed(group: Any = None) -> Optional[TorchReducer]:
 def distributed_guard(
     *, reducer: Optional[Reducer] = None, group: Any = None, **guard_options: Any
 ) -> CheckpointGuard:
-    """A :class:`~sidecar.guard.CheckpointGuard` that agrees across ranks when distributed.
+    """A :class:`~sidecar.train.guard.CheckpointGuard` that agrees across ranks when distributed.
 
     ``guard_options`` go to ``CheckpointGuard`` (``client``, ``policy``, ``clock``, ...).
     ``reducer`` defaults to :func:`reducer_if_distributed` for ``group``.

@@ -33,7 +33,6 @@ else the older ``pytorch_lightning`` package), not when this module is imported.
 
 from __future__ import annotations
 
-import errno
 import functools
 import importlib
 import os
@@ -44,9 +43,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from sidecar.guard import CheckpointGuard
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.policy import SavePolicy
+from sidecar.train.durable import fsync_path, sync_tree
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 __all__ = ["DEFAULT_FILENAME", "EsiCheckpointCallback", "checkpoint_step", "latest_checkpoint"]
 
@@ -176,7 +176,7 @@ def _writes_in_background(strategy: Any) -> bool:
 def _commit(partial: str, path: str) -> None:
     """fsync ``partial`` (a file or a sharded checkpoint's folder), rename it to ``path``,
     fsync the parent folder (ARCHITECTURE.md, "Writes that must survive a crash")."""
-    _sync_tree(partial)
+    sync_tree(partial)
     if os.path.isdir(path) and not os.path.islink(path):
         # os.replace cannot replace a folder holding files (a sharded checkpoint saved
         # under this name before): move the old one aside, then drop it.
@@ -186,37 +186,7 @@ def _commit(partial: str, path: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(partial, path)
-    _fsync(os.path.dirname(path) or ".")
-
-
-# fsync on a file system that does not support it (some FUSE mounts) is not a failure.
-_SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in _SYNC_UNSUPPORTED:
-            raise
-    finally:
-        os.close(fd)
-
-
-def _sync_tree(path: str) -> None:
-    if not os.path.isdir(path):
-        _fsync(path)
-        return
-    folders = []
-    for current, _dirnames, filenames in os.walk(path):
-        folders.append(current)
-        for name in filenames:
-            full = os.path.join(current, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                _fsync(full)
-    for folder in reversed(folders):  # deepest first: entries before their folder
-        _fsync(folder)
+    fsync_path(os.path.dirname(path) or ".")
 
 
 # -- finding the newest checkpoint ----------------------------------------------------------

@@ -46,9 +46,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from sidecar.guard import CheckpointGuard
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.policy import SavePolicy
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
 
 __all__ = ["EsiCheckpointCallback", "latest_complete_checkpoint"]
 

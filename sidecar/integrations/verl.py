@@ -24,7 +24,7 @@ docs/integrations.md.
 Behaviour kept from verl, on purpose, so that it is a drop-in: the answer is stateless
 and stays True at every step inside the window (verl then saves at each of those steps,
 as it does today), and False while ``max_steps_duration`` is 0 (before verl measured a
-step). For save-once-then-stop, use :class:`sidecar.guard.CheckpointGuard`.
+step). For save-once-then-stop, use :class:`sidecar.train.guard.CheckpointGuard`.
 
 verl's single controller decides for every node, so point ``ESI_SIDECAR_URL`` at every
 node's daemon (comma-separated): the earliest deadline wins, and a node whose daemon stops
@@ -43,8 +43,9 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
-from sidecar.client import DeadlineTracker, SidecarClient
-from sidecar.policy import check_seconds
+from sidecar.train.client import SidecarClient
+from sidecar.train.deadline import DeadlineTracker
+from sidecar.train.policy import DEFAULT_SAVE_SECONDS, check_seconds, verl_rule
 
 __all__ = [
     "VERL_FUNCTION",
@@ -121,7 +122,9 @@ def _current_cache() -> DeadlineTracker:
 
 
 def should_save_ckpt_esi(
-    max_steps_duration: float, save_ckpt_duration: float = 60, redundant_time: float = 0
+    max_steps_duration: float,
+    save_ckpt_duration: float = DEFAULT_SAVE_SECONDS,
+    redundant_time: float = 0,
 ) -> bool:
     """True when the machine is released before another step plus a save would fit.
 
@@ -142,9 +145,8 @@ def should_save_ckpt_esi(
         deadline, _source = cache.deadline()
         if deadline is None:
             return False
-        remaining = deadline - cache.clock()
-        budget = float(save_ckpt_duration) + float(max_steps_duration) + float(redundant_time)
-        return bool(remaining > 0 and max_steps_duration > 0 and remaining <= budget)
+        return verl_rule(deadline - cache.clock(), float(max_steps_duration),
+                         float(save_ckpt_duration), float(redundant_time))
     except Exception:
         if not _warned_internal:
             _warned_internal = True

@@ -1,0 +1,179 @@
+"""Wires settings -> sources -> store -> poller -> API -> uvicorn.
+
+The poller starts and stops inside the FastAPI lifespan, not around ``Server.run()``:
+uvicorn re-raises SIGTERM after its own graceful shutdown, so code after ``run()`` may
+never execute, and the state file must still be flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+from sidecar.host.api import create_app
+from sidecar.host.notify import notify, watchdog_interval
+from sidecar.host.poller import Poller
+from sidecar.host.settings import Settings, storage_options
+from sidecar.host.sources import create_source
+from sidecar.host.store import Store
+
+__all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]
+
+log = logging.getLogger("sidecar.host.daemon")
+
+READY_TIMEOUT_SECONDS = 60.0
+# Stopping: uvicorn's grace for open requests, then one shared budget for joining the
+# uploader and the poll threads. Together well inside the unit's TimeoutStopSec=10.
+SHUTDOWN_GRACE_SECONDS = 2.0
+SHUTDOWN_JOIN_SECONDS = 3.0
+
+
+@dataclass
+class Daemon:
+    settings: Settings
+    store: Store
+    poller: Poller
+    app: FastAPI
+    uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
+
+
+def build_daemon(settings: Settings) -> Daemon:
+    sources = [create_source(name, settings) for name in settings.sources]
+    store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
+    poller = Poller(
+        sources, store, interval=settings.poll_interval, state_file=settings.state_file
+    )
+    uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poller.start()
+        if uploader is not None:
+            uploader.start()
+        tasks = [asyncio.create_task(_announce_ready(poller, store))]
+        interval = watchdog_interval()
+        if interval is not None:
+            tasks.append(asyncio.create_task(_watchdog(poller, interval)))
+        try:
+            yield
+        finally:
+            notify("STOPPING=1")
+            for task in tasks:
+                task.cancel()
+            stop_by = time.monotonic() + SHUTDOWN_JOIN_SECONDS
+            poller.request_stop()  # both wind down at once; the joins share one budget
+
+            def left() -> float:
+                return max(0.1, stop_by - time.monotonic())
+
+            if uploader is not None:
+                uploader.stop(timeout=left())  # an upload in progress restarts cleanly
+            poller.stop(timeout=left())
+            log.info("stopped; state flushed")
+
+    app = create_app(store, lifespan=lifespan,
+                     uploads=uploader.tracker if uploader is not None else None)
+    return Daemon(settings, store, poller, app, uploader)
+
+
+def _build_uploader(settings: Settings, store: Store) -> Any:
+    """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
+    a daemon without upload settings never loads boto3."""
+    from sidecar.host.upload.location import parse_s3_url
+    from sidecar.host.upload.storage import StorageConfig
+    from sidecar.host.upload.uploader import Uploader, UploaderConfig
+
+    def remaining_seconds() -> Optional[float]:
+        return store.expiry().remaining_seconds
+
+    config = UploaderConfig(
+        root=Path(settings.upload_from or "."),
+        location=parse_s3_url(settings.upload_to or ""),
+        storage=StorageConfig(**storage_options(settings)),
+        keep_local=settings.upload_keep_local,
+        near_release_seconds=settings.upload_near_release,
+        scan_interval_seconds=settings.upload_scan_interval,
+    )
+    return Uploader(config, remaining_seconds=remaining_seconds)
+
+
+async def _announce_ready(poller: Poller, store: Store) -> None:
+    """READY=1 once every source was polled once (issue: run it as a host service).
+
+    Waiting for the first attempt, not the first success, keeps start-up bounded when the
+    cloud is unreachable: the service is up and says so on /healthz.
+    """
+    await asyncio.to_thread(poller.first_attempt_done.wait, READY_TIMEOUT_SECONDS)
+    health = store.health()
+    notify(f"READY=1\nSTATUS={health.status}" + (f": {health.reason}" if health.reason else ""))
+
+
+async def _watchdog(poller: Poller, interval: float) -> None:
+    """WATCHDOG=1 from the event loop while the poll threads live: a hung loop or a dead
+    poller stops the pings and systemd restarts the service."""
+    while True:
+        if poller.alive():
+            notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
+
+
+def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:
+    """Bind every listen address up front so a bad one stops start-up with a clear line."""
+    bound: list[socket.socket] = []
+    try:
+        for host, port in addresses:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            # IPPROTO_TCP explicitly: asyncio disables Nagle only on sockets whose proto says TCP;
+            # with proto 0 every keep-alive answer waits ~40 ms for a delayed ACK.
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                sock.close()
+                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            sock.set_inheritable(True)
+            bound.append(sock)
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def make_server(daemon: Daemon) -> uvicorn.Server:
+    config = uvicorn.Config(
+        daemon.app,
+        log_config=None,  # our logging setup; no access log: clients ask every step
+        access_log=False,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS),
+        timeout_keep_alive=30,
+        lifespan="on",
+    )
+    return uvicorn.Server(config)
+
+
+def run(settings: Settings, sockets: Optional[list[socket.socket]] = None) -> None:
+    """Serve until SIGTERM/SIGINT. Raises OSError for an address that cannot be bound."""
+    sockets = sockets if sockets is not None else bind_sockets(settings.listen)
+    daemon = build_daemon(settings)
+    addresses = ", ".join(_format_address(sock) for sock in sockets)
+    log.info("serving on %s (sources: %s)", addresses, ", ".join(settings.sources))
+    make_server(daemon).run(sockets=sockets)
+
+
+def _format_address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,214 @@
+"""Drives every source on its own schedule and writes the results into the store.
+
+One thread per source, so a slow API call never delays another source. Success: wait the
+poll interval +-10 %. Failure: retry after 1 s, doubling, capped at the poll interval,
+each with +-20 % jitter so a fleet of hosts does not retry in step; throttling backs off
+the same way but starts higher. Shutdown is a flag (an Event) that every wait checks.
+
+The last good state is written atomically (temp file, fsync, rename, fsync the folder)
+whenever it changes and at shutdown, and loaded at start-up, where the store serves it as
+stale until a poll confirms it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sidecar.host.sources.base import Observation, Source, SourceError, where
+from sidecar.host.store import Store
+from sidecar.timeparse import format_rfc3339
+from sidecar.train.durable import replace_atomically
+
+__all__ = ["Poller", "load_state", "save_state"]
+
+log = logging.getLogger("sidecar.host.poller")
+
+FIRST_RETRY_SECONDS = 1.0
+FIRST_THROTTLED_RETRY_SECONDS = 4.0
+STATE_VERSION = 1
+
+
+def next_delay(
+    interval: float, failures: int, *, throttled: bool = False, rng: random.Random
+) -> float:
+    """Seconds until the next poll after ``failures`` consecutive failures (0: success)."""
+    if failures == 0:
+        return interval * rng.uniform(0.9, 1.1)
+    first = FIRST_THROTTLED_RETRY_SECONDS if throttled else FIRST_RETRY_SECONDS
+    backoff = min(interval, first * 2 ** min(failures - 1, 30))
+    return backoff * rng.uniform(0.8, 1.2)
+
+
+class Poller:
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        store: Store,
+        *,
+        interval: float,
+        state_file: Optional[Path] = None,
+        rng: Optional[random.Random] = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._sources = list(sources)
+        self._store = store
+        self._interval = interval
+        self._state_file = state_file
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._attempted: set[str] = set()
+        self._attempt_lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        self._last_logged_error: dict[str, Optional[str]] = {}
+        #: Set once every source has been polled at least once (systemd READY=1).
+        self.first_attempt_done = threading.Event()
+
+    # ------------------------------------------------------------------ one poll
+
+    def poll_once(self, source: Source) -> float:
+        """Poll one source, record the result, persist on change; return the next delay."""
+        try:
+            observation = source.poll()
+        except SourceError as exc:
+            message = _one_line(str(exc))
+            self._store.record_failure(source.name, message, throttled=exc.throttled)
+            self._log_failure(source.name, message)
+            failures = self._failures(source.name)
+            delay = next_delay(self._interval, failures, throttled=exc.throttled, rng=self._rng)
+        except Exception as exc:  # a bug in a source must not kill its thread
+            # Only the type and the place: a source scrubs secrets from its SourceErrors,
+            # but an unexpected exception's text is unvetted, so it is neither served nor
+            # logged.
+            kind = type(exc).__name__
+            message = f"internal error in the {source.name} source: {kind} {where(exc)}"
+            self._store.record_failure(source.name, message)
+            log.error("%s; please report it", message)
+            self._last_logged_error[source.name] = message
+            delay = next_delay(self._interval, self._failures(source.name), rng=self._rng)
+        else:
+            changed = self._store.record_success(source.name, observation)
+            if self._last_logged_error.get(source.name):
+                log.info("source %s recovered", source.name)
+            self._last_logged_error[source.name] = None
+            if changed:
+                log.info("source %s: %s", source.name, _describe(observation))
+                self.save()
+            delay = next_delay(self._interval, 0, rng=self._rng)
+        with self._attempt_lock:
+            self._attempted.add(source.name)
+            if len(self._attempted) == len(self._sources):
+                self.first_attempt_done.set()
+        return delay
+
+    def _failures(self, name: str) -> int:
+        status = next(s for s in self._store.snapshot().sources if s.name == name)
+        return status.consecutive_failures
+
+    def _log_failure(self, name: str, message: str) -> None:
+        # One line per change of error, not one per retry.
+        if self._last_logged_error.get(name) != message:
+            log.warning("source %s: poll failed: %s", name, message)
+            self._last_logged_error[name] = message
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._state_file is not None:
+            load_state(self._state_file, self._store)
+        self._stop.clear()
+        for source in self._sources:
+            thread = threading.Thread(
+                target=self._run, args=(source,), name=f"poll-{source.name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _run(self, source: Source) -> None:
+        while not self._stop.is_set():
+            delay = self.poll_once(source)
+            self._stop.wait(delay)
+
+    def alive(self) -> bool:
+        """True while every poll thread runs (the systemd watchdog pings only then)."""
+        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+
+    def request_stop(self) -> None:
+        """Ask the loops to end after their current poll, without waiting."""
+        self._stop.set()
+
+    def stop(self, timeout: float = 4.0) -> None:
+        """Stop the loops and flush the state file. A poll in flight is not waited for
+        past ``timeout`` (its threads are daemons; the SDK's own timeout bounds it)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads.clear()
+        self.save()
+
+    def save(self) -> None:
+        if self._state_file is None:
+            return
+        with self._save_lock:
+            try:
+                save_state(self._state_file, self._store)
+            except OSError as exc:
+                log.warning("could not write state file %s: %s", self._state_file, exc)
+
+
+# ---------------------------------------------------------------------- state file
+
+
+def save_state(path: Path, store: Store) -> None:
+    """Write the last good observation of each source, atomically."""
+    sources: dict[str, Any] = {}
+    for status in store.snapshot().sources:
+        if status.observation is not None and status.observed_at_unix is not None:
+            sources[status.name] = {
+                "observation": asdict(status.observation),
+                "observed_at_unix": status.observed_at_unix,
+            }
+    body = json.dumps({"version": STATE_VERSION, "sources": sources}, indent=1).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, body, f".{path.name}.{os.getpid()}.tmp")
+
+
+def load_state(path: Path, store: Store) -> None:
+    """Restore what an earlier run saw. A missing or damaged file is logged and ignored."""
+    try:
+        data = json.loads(path.read_bytes())
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"unknown version {data.get('version')!r}")
+        for name, entry in data["sources"].items():
+            observation = Observation(**entry["observation"])
+            if observation.expires_at_unix is not None:
+                float(observation.expires_at_unix)
+            store.restore(name, observation, float(entry["observed_at_unix"]))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("ignoring state file %s: %s", path, _one_line(str(exc)))
+        return
+    log.info("restored last known state from %s", path)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(observation: Observation) -> str:
+    if observation.expires_at_unix is None:
+        return "no scheduled release"
+    return f"deadline {format_rfc3339(observation.expires_at_unix)} ({observation.kind})"

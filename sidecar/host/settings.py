@@ -1,0 +1,402 @@
+"""Daemon settings: flags > ESI_SIDECAR_* environment > defaults, validated at start.
+
+Each setting is written once, in ``OPTIONS``: the argparse flag, the environment name,
+the parser, the default and the help text all come from that one row, so they cannot
+drift apart. ``Settings`` only stores values; the daemon does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta, timezone, tzinfo
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sidecar.models import DEFAULT_LISTEN
+from sidecar.timeparse import TimestampError, parse_timestamp
+
+__all__ = [
+    "OPTIONS",
+    "RESTORE_FLAGS",
+    "ConfigError",
+    "Settings",
+    "add_arguments",
+    "load_settings",
+    "storage_options",
+]
+
+DEFAULT_METADATA_URL = "http://100.96.0.96"
+ENV_PREFIX = "ESI_SIDECAR_"
+DEFAULT_UPLOAD_CONCURRENCY = 8
+DEFAULT_UPLOAD_PART_SIZE = 64 << 20
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message is one line and names the flag and the variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen: tuple[tuple[str, int], ...] = field(
+        default_factory=lambda: (parse_address(DEFAULT_LISTEN),)
+    )
+    sources: tuple[str, ...] = ("volcengine-esi",)
+    instance_id: Optional[str] = None
+    scheduled_instance_id: Optional[str] = None
+    region: Optional[str] = None
+    api_endpoint: Optional[str] = None
+    metadata_url: str = DEFAULT_METADATA_URL
+    poll_interval: float = 30.0
+    stale_after: Optional[float] = None  # None: 3 x poll_interval (see effective_stale_after)
+    state_file: Optional[Path] = None
+    log_level: str = "INFO"
+    expires_at: Optional[str] = None
+    naive_timezone: tzinfo = field(default=timezone.utc)
+    # Checkpoint upload (sidecar.host.upload, docs/upload.md): off unless upload_to is set.
+    upload_from: Optional[Path] = None
+    upload_to: Optional[str] = None  # s3://bucket/prefix, checked at start
+    upload_endpoint: Optional[str] = None
+    upload_region: Optional[str] = None
+    upload_access_key: Optional[str] = field(default=None, repr=False)  # never printed
+    upload_secret_key: Optional[str] = field(default=None, repr=False)
+    upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY
+    upload_part_size: int = DEFAULT_UPLOAD_PART_SIZE
+    upload_keep_local: Optional[int] = None
+    upload_near_release: float = 600.0
+    upload_scan_interval: float = 5.0
+    upload_addressing_style: str = "auto"
+
+    @property
+    def effective_stale_after(self) -> float:
+        return self.stale_after if self.stale_after is not None else 3 * self.poll_interval
+
+
+# ---------------------------------------------------------------- value parsers
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); ValueError with a plain reason."""
+    text = text.strip()
+    if text.startswith("["):  # [::1]:8791
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise ValueError("IPv6 addresses are written [::1]:8791")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8791")
+    if not host:
+        raise ValueError("the host is empty (use 0.0.0.0 to listen everywhere)")
+    if not port.isdigit():
+        raise ValueError(f"the port must be a number, got {port!r}")
+    number = int(port)
+    if not 0 <= number <= 65535:
+        raise ValueError("port out of range")
+    return host, number
+
+
+def _addresses(text: str) -> tuple[tuple[str, int], ...]:
+    parts = [part for part in text.split(",") if part.strip()]
+    if not parts:
+        raise ValueError("no address given")
+    return tuple(parse_address(part) for part in parts)
+
+
+def _source_names(text: str) -> tuple[str, ...]:
+    from sidecar.host.sources import canonical_name
+
+    names = [part for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("no source given")
+    return tuple(dict.fromkeys(canonical_name(name) for name in names))
+
+
+def _text(text: str) -> str:
+    text = text.strip()
+    if not text:
+        raise ValueError("is empty")
+    return text
+
+
+def _url(text: str) -> str:
+    text = text.strip().rstrip("/")
+    if not text.startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError("must be an integer >= 1")
+    return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2,
+               "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
+
+
+def _part_size(text: str) -> int:
+    """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text.strip().lower().replace(" ", ""))
+    if match is None or match.group(2) not in _SIZE_UNITS:
+        raise ValueError("expected a size such as 64MiB, 8MB or 16777216")
+    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    if not (5 << 20) <= value <= (5 << 30):
+        raise ValueError("must be between 5MiB and 5GiB (the S3 limits for one part)")
+    return value
+
+
+def _s3_url(text: str) -> str:
+    from sidecar.host.upload.location import parse_s3_url  # standard library only
+
+    return parse_s3_url(text).url
+
+
+def _addressing_style(text: str) -> str:
+    style = text.strip().lower()
+    if style not in ("auto", "path", "virtual"):
+        raise ValueError("must be auto, path or virtual")
+    return style
+
+
+def _log_level(text: str) -> str:
+    level = text.strip().upper()
+    if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    return level
+
+
+def _timestamp(text: str) -> str:
+    parse_timestamp(text)  # validate now, so a typo stops start-up rather than every poll
+    return text.strip()
+
+
+def _zone(text: str) -> tzinfo:
+    text = text.strip()
+    if text.upper() in ("UTC", "Z"):
+        return timezone.utc
+    if text[:1] in "+-":  # a fixed offset such as +08:00
+        sign = -1 if text[0] == "-" else 1
+        hours, _, minutes = text[1:].partition(":")
+        return timezone(sign * timedelta(hours=int(hours), minutes=int(minutes or 0)))
+    from zoneinfo import ZoneInfo
+
+    try:
+        return ZoneInfo(text)
+    except Exception:
+        raise ValueError("unknown time zone (use an IANA name such as Asia/Shanghai)") from None
+
+
+# ---------------------------------------------------------------- the one table
+
+_DEFAULTS = Settings()  # the help lines quote the defaults from here, not a copy
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # attribute of Settings
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = "VALUE"
+    repeatable: bool = False
+    env_only: bool = False  # secrets: a flag would show in `ps` and shell history
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
+           f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
+           "HOST:PORT", repeatable=True),
+    Option("source", _source_names, "where the deadline comes from: volcengine-esi (default), "
+           "env, static; comma-separate several (the earliest deadline wins)", "NAME",
+           repeatable=True),
+    Option("instance_id", _text, "ECS instance id (default: ask the metadata service)", "ID"),
+    Option("scheduled_instance_id", _text, "ESI scheduled instance id (default: look it up "
+           "with DescribeInstances)", "ID"),
+    Option("region", _text, "region, e.g. cn-beijing (default: ask the metadata service)"),
+    Option("api_endpoint", _url, "ECS OpenAPI endpoint (default: the SDK's endpoint for the "
+           "region); a URL such as http://127.0.0.1:9000 points at the emulator", "URL"),
+    Option("metadata_url", _url, f"ECS metadata service (default {DEFAULT_METADATA_URL})",
+           "URL"),
+    Option("poll_interval", _positive_seconds,
+           f"seconds between polls (default {_DEFAULTS.poll_interval:g}, "
+           "with +-10%% jitter)", "SECONDS"),
+    Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
+           "long (default 3 x poll interval)", "SECONDS"),
+    Option("state_file", Path, "where the last good state is kept across restarts (default: "
+           "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
+    Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
+    Option("expires_at", _timestamp, "the deadline for the static source: RFC 3339 or Unix "
+           "seconds / milliseconds", "TIME"),
+    Option("timezone", _zone, "time zone for timestamps that carry no offset (default UTC)",
+           "ZONE"),
+    Option("upload_from", Path, "checkpoint folder to upload from: the root that "
+           "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
+           "DIR"),
+    Option("upload_to", _s3_url, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 or "
+           "Volcengine TOS (one prefix per uploading host)", "s3://BUCKET/PREFIX"),
+    Option("upload_endpoint", _url, "S3 endpoint, e.g. https://tos-s3-cn-beijing.volces.com "
+           "for TOS (default: AWS S3)", "URL"),
+    Option("upload_region", _text, "signing region for the upload (default: from a TOS "
+           "endpoint's name, else boto3's chain, else us-east-1)"),
+    Option("upload_access_key", _text, "access key for the upload (default: boto3's chain: "
+           "AWS_ACCESS_KEY_ID, a profile, the instance role); environment only", "KEY",
+           env_only=True),
+    Option("upload_secret_key", _text, "secret key for the upload, with the access key; "
+           "environment only, never logged or served", "SECRET", env_only=True),
+    Option("upload_concurrency", _positive_int, f"parts and files uploaded at once "
+           f"(default {_DEFAULTS.upload_concurrency})",
+           "N"),
+    Option("upload_part_size", _part_size, f"multipart part size, 5MiB-5GiB "
+           f"(default {_DEFAULTS.upload_part_size >> 20}MiB)",
+           "SIZE"),
+    Option("upload_keep_local", _positive_int, "after an upload, delete local checkpoints "
+           "beyond the N newest that are durable in storage (default: delete nothing)", "N"),
+    Option("upload_near_release", _positive_seconds, "when the release is this close, an "
+           f"older upload in progress yields to the newest checkpoint "
+           f"(default {_DEFAULTS.upload_near_release:g})",
+           "SECONDS"),
+    Option("upload_scan_interval", _positive_seconds, "rescan the checkpoint folder this "
+           f"often besides inotify events (default {_DEFAULTS.upload_scan_interval:g})", "SECONDS"),
+    Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
+           "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE"),
+)
+
+# Option name -> Settings attribute, where they differ.
+_ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone"}
+
+
+# `esi-sidecar restore` reads the upload settings through this same table, under its own
+# flag names (None: environment only). The daemon's --upload-to is where restore reads from.
+RESTORE_FLAGS: dict[str, Optional[str]] = {
+    "upload_to": "--from",
+    "upload_from": "--to",
+    "upload_endpoint": "--endpoint",
+    "upload_region": "--region",
+    "upload_concurrency": "--concurrency",
+    "upload_addressing_style": "--addressing-style",
+    "upload_access_key": None,
+    "upload_secret_key": None,
+}
+
+
+def _chosen(flags: Optional[Mapping[str, Optional[str]]]) -> list[tuple[Option, str]]:
+    """The options a command reads, each with the flag that names it."""
+    if flags is None:
+        return [(option, option.flag) for option in OPTIONS]
+    return [(option, flags[option.name] or option.env) for option in OPTIONS
+            if option.name in flags]
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, flags: Optional[Mapping[str, Optional[str]]] = None
+) -> None:
+    """Add every option (or those in ``flags``, under those names) as a flag. Defaults
+    stay None so we can tell 'not given'."""
+    for option, flag in _chosen(flags):
+        if option.env_only:
+            continue
+        parser.add_argument(
+            flag,
+            dest=option.name,
+            action="append" if option.repeatable else "store",
+            metavar=option.metavar,
+            help=f"{option.help} [env {option.env}]",
+        )
+
+
+def load_settings(
+    given: Optional[Mapping[str, Any]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    *,
+    flags: Optional[Mapping[str, Optional[str]]] = None,
+) -> Settings:
+    """Flags (``given``, e.g. ``vars(namespace)``) > environment > defaults.
+
+    ``flags``: read only these options, named by these flags in errors (``RESTORE_FLAGS``);
+    None reads them all, as ``serve`` does.
+    """
+    given = dict(given or {})
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option, flag in _chosen(flags):
+        raw = given.get(option.name)
+        origin = flag
+        if isinstance(raw, list):
+            raw = ",".join(raw)
+        if raw is None:
+            raw = environ.get(option.env)
+            origin = option.env
+            if raw is not None and not raw.strip():
+                raw = None  # an empty variable means "not set", as in the shell
+        if raw is None:
+            continue
+        try:
+            values[_ATTRIBUTE.get(option.name, option.name)] = option.parse(str(raw))
+        except (ValueError, TimestampError) as exc:
+            shown = "(hidden)" if option.env_only else repr(str(raw))
+            raise ConfigError(f"invalid {origin} value {shown}: {exc}") from None
+    if "state_file" not in values and environ.get("STATE_DIRECTORY"):
+        # systemd's StateDirectory= sets this (several paths are colon-separated).
+        values["state_file"] = Path(environ["STATE_DIRECTORY"].split(":")[0]) / "state.json"
+    settings = Settings(**values)
+    _check(settings)
+    return settings
+
+
+def storage_options(settings: Settings) -> dict[str, Any]:
+    """The arguments of ``sidecar.host.upload.storage.StorageConfig``: for the daemon's
+    wiring and for ``esi-sidecar restore``, so neither reads the upload settings itself."""
+    return {
+        "endpoint": settings.upload_endpoint,
+        "region": settings.upload_region,
+        "access_key": settings.upload_access_key,
+        "secret_key": settings.upload_secret_key,
+        "addressing_style": settings.upload_addressing_style,
+        "concurrency": settings.upload_concurrency,
+        "part_size": settings.upload_part_size,
+    }
+
+
+def _check(settings: Settings) -> None:
+    if "static" in settings.sources and settings.expires_at is None:
+        raise ConfigError(
+            "the static source needs a deadline: --expires-at TIME or ESI_SIDECAR_EXPIRES_AT"
+        )
+    if (settings.upload_to is None) != (settings.upload_from is None):
+        raise ConfigError(
+            "upload needs both --upload-from DIR (ESI_SIDECAR_UPLOAD_FROM) and --upload-to "
+            "s3://BUCKET/PREFIX (ESI_SIDECAR_UPLOAD_TO)"
+        )
+    if (settings.upload_access_key is None) != (settings.upload_secret_key is None):
+        raise ConfigError(
+            "set both ESI_SIDECAR_UPLOAD_ACCESS_KEY and ESI_SIDECAR_UPLOAD_SECRET_KEY, or "
+            "neither (to use boto3's chain)"
+        )
+    # Successful polls come every interval +-10 %: a bound under 1.2 x the interval would
+    # flap to stale between two healthy polls.
+    if settings.effective_stale_after < 1.2 * settings.poll_interval:
+        raise ConfigError(
+            f"--stale-after ({settings.effective_stale_after:g} s) must be at least 1.2 x "
+            f"--poll-interval ({settings.poll_interval:g} s), or answers flap to stale"
+        )

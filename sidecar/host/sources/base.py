@@ -1,0 +1,45 @@
+"""The Source protocol: poll once, return what was seen, or raise SourceError.
+
+A source never schedules, retries or sleeps: ``sidecar.host.poller`` owns the schedule, the
+backoff and the staleness. One module per source; ``sidecar.host.sources`` maps names to them.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from sidecar.models import Observation
+
+__all__ = ["Observation", "Source", "SourceError", "where"]
+
+
+class SourceError(Exception):
+    """A failed poll. The message is one line, free of secrets, fit for ``error``.
+
+    ``throttled`` marks rate limiting (HTTP 429, ``Throttling*``/``FlowLimit*`` codes):
+    the poller backs off from it like from any failure, but counts it apart.
+    """
+
+    def __init__(self, message: str, *, throttled: bool = False) -> None:
+        super().__init__(message)
+        self.throttled = throttled
+
+
+def where(exc: BaseException) -> str:
+    """``(at file.py:123)`` for the innermost frame of an unexpected exception: enough to
+    find the bug, with none of the exception's text (which may carry credentials)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"(at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """One place that knows when this machine goes away."""
+
+    name: str
+
+    def poll(self) -> Observation:
+        """Ask once. Return an Observation or raise SourceError; never sleep or retry."""
+        ...

@@ -1,0 +1,51 @@
+"""The capacity-block variables that some platforms set for the job.
+
+``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP`` (Volcengine ML platform, and the
+seed install script) and ``SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP`` (AWS),
+in that order, in seconds or milliseconds. The daemon's own environment is read at each
+poll, so a value changed by the service manager's reload is picked up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from sidecar.host.sources.base import Observation, SourceError
+from sidecar.models import KIND_SCHEDULED_RELEASE
+from sidecar.timeparse import TimestampError, parse_timestamp
+
+ENV_NAMES = (
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+)
+
+
+class EnvSource:
+    name = "env"
+
+    def __init__(self, environ: Optional[Mapping[str, str]] = None, **parse_options: Any) -> None:
+        self._environ = os.environ if environ is None else environ
+        self._parse_options = parse_options
+
+    def poll(self) -> Observation:
+        for env_name in ENV_NAMES:
+            value = self._environ.get(env_name, "").strip()
+            if not value:
+                continue
+            try:
+                parsed = parse_timestamp(value, **self._parse_options)
+            except TimestampError as exc:
+                raise SourceError(f"{env_name}: {exc}") from None
+            return Observation(
+                expires_at_unix=parsed.unix,
+                kind=KIND_SCHEDULED_RELEASE,
+                assumed_timezone=parsed.assumed_timezone,
+            )
+        # Neither is set: no capacity block, hence no scheduled release. Not an error.
+        return Observation(expires_at_unix=None)
+
+
+def from_settings(settings: Any) -> EnvSource:
+    return EnvSource(naive_timezone=settings.naive_timezone)

@@ -1,0 +1,21 @@
+"""Host-side checkpoint upload to S3-compatible storage, and restore (issue "Checkpoint
+safety", items 3 and 4).
+
+The uploader runs inside the daemon (``esi-sidecar serve --upload-from DIR --upload-to
+s3://bucket/prefix``), outside the training container, so it keeps going while the
+trainer is busy or dead. ``esi-sidecar restore`` brings the newest complete remote
+checkpoint back onto a fresh machine. See docs/upload.md.
+
+Modules, one job each:
+
+- ``location``: ``s3://bucket/prefix`` and the key layout (standard library only);
+- ``storage``: the boto3 client and transfer settings, errors in one clear line;
+- ``transfer``: one checkpoint up (manifest last) or down (verified);
+- ``status``: what ``GET /v1/uploads`` and ``/metrics`` show (standard library only);
+- ``watch``: inotify (watchdog) on the checkpoint folder, polling as the fallback;
+- ``uploader``: the daemon's thread: order, retries, pins, yielding near the release;
+- ``restore``: the ``esi-sidecar restore`` command's work.
+
+This file imports nothing on purpose: the daemon imports the package only when upload is
+configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL.
+"""

@@ -1,0 +1,228 @@
+"""One checkpoint up (files, size check, manifest last) or down (verified), with boto3.
+
+The order of an upload is the whole guarantee: (1) a remote manifest that differs from
+ours is deleted first, so old and new files never look complete together; (2) every
+file goes up through boto3's transfer manager, multipart with parallel parts; (3) every
+object's size is read back (HeadObject) and compared with the manifest; (4) only then is
+``MANIFEST.json`` written. A kill at any point leaves a remote folder without a manifest,
+which restore never takes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from boto3.s3.transfer import create_transfer_manager
+from botocore.exceptions import ClientError
+from s3transfer.subscribers import BaseSubscriber
+
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.storage import StorageConfig, StorageError, is_not_found, transfer_config
+from sidecar.train.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, Invalid, read_manifest
+
+__all__ = [
+    "Cancelled",
+    "download_files",
+    "list_remote_names",
+    "parse_manifest",
+    "read_remote_manifest",
+    "upload_checkpoint",
+]
+
+WAIT_SLICE_SECONDS = 0.2
+
+# Test seam: called with (phase, detail) at each step of an upload, so the crash tests
+# can stop a daemon subprocess at an exact point without sleeping. Never set in
+# production (the same pattern as sidecar.train.checkpoint._phase_hook).
+_phase_hook: Optional[Callable[[str, Any], None]] = None
+
+
+def _phase(name: str, detail: Any = None) -> None:
+    if _phase_hook is not None:
+        _phase_hook(name, detail)
+
+
+class Cancelled(Exception):
+    """The upload was stopped on purpose (daemon stopping, yielding to a newer one)."""
+
+
+class _Progress(BaseSubscriber):
+    def __init__(self, on_progress: Callable[[int], None], finished: threading.Event) -> None:
+        self._on_progress = on_progress
+        self._finished = finished
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        with self._lock:
+            self.total += bytes_transferred
+            total = self.total
+        self._on_progress(bytes_transferred)
+        _phase("progress", total)
+
+    def on_done(self, future: Any, **kwargs: Any) -> None:
+        self._finished.set()
+
+
+def manifest_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+def parse_manifest(raw: bytes, folder: Path) -> CheckpointInfo:
+    """Parse manifest bytes with the checkpoint module's own reader (one format, one
+    parser). Raises ``Invalid`` with the reason."""
+    with tempfile.TemporaryDirectory(prefix="esi-sidecar-manifest-") as scratch:
+        (Path(scratch) / MANIFEST_NAME).write_bytes(raw)
+        info = read_manifest(Path(scratch))
+    return CheckpointInfo(folder, info.step, info.created_at, info.total_bytes, info.metadata,
+                          info.files)
+
+
+def read_remote_manifest(client: Any, location: S3Location, name: str) -> Optional[bytes]:
+    """The remote manifest's bytes, or None when there is none (an incomplete folder)."""
+    try:
+        response = client.get_object(Bucket=location.bucket, Key=location.manifest_key(name))
+    except ClientError as exc:
+        if is_not_found(exc):
+            return None
+        raise
+    body: bytes = response["Body"].read()
+    return body
+
+
+def list_remote_names(client: Any, location: S3Location) -> list[str]:
+    """Folder names directly under the prefix (complete or not)."""
+    names = []
+    paginator = client.get_paginator("list_objects_v2")
+    for page in paginator.paginate(
+        Bucket=location.bucket, Prefix=location.listing_prefix, Delimiter="/"
+    ):
+        for common in page.get("CommonPrefixes", []) or []:
+            name = common["Prefix"][len(location.listing_prefix):].rstrip("/")
+            if name and not name.startswith("."):
+                names.append(name)
+    return names
+
+
+def _wait(
+    futures: Sequence[Any], finished: threading.Event, should_stop: Callable[[], Optional[str]]
+) -> None:
+    """Wait for every transfer; cancel them all when ``should_stop`` gives a reason."""
+    while not all(future.done() for future in futures):
+        finished.wait(WAIT_SLICE_SECONDS)
+        finished.clear()
+        reason = should_stop()
+        if reason is not None:
+            _phase("cancelling", reason)
+            for future in futures:
+                future.cancel()  # boto3 aborts the multipart uploads it started
+            raise Cancelled(reason)
+
+
+def _run_transfers(
+    client: Any,
+    storage: StorageConfig,
+    submit: Callable[[Any, BaseSubscriber], list[Any]],
+    on_progress: Callable[[int], None],
+    should_stop: Callable[[], Optional[str]],
+) -> None:
+    finished = threading.Event()
+    progress = _Progress(on_progress, finished)
+    manager = create_transfer_manager(client, transfer_config(storage))
+    try:
+        futures = submit(manager, progress)
+        _wait(futures, finished, should_stop)
+        for future in futures:
+            future.result()  # the first failure, as boto3 raised it
+    finally:
+        manager.shutdown()  # waits for cancelled transfers to wind down
+
+
+def _verify_sizes(
+    client: Any, storage: StorageConfig, location: S3Location, name: str,
+    files: Sequence[FileEntry],
+) -> None:
+    def check(entry: FileEntry) -> None:
+        head = client.head_object(Bucket=location.bucket, Key=location.key(name, entry.path))
+        if int(head["ContentLength"]) != entry.size:
+            raise StorageError(
+                f"{entry.path}: stored object is {head['ContentLength']} bytes, the manifest "
+                f"says {entry.size}"
+            )
+
+    with ThreadPoolExecutor(max_workers=max(1, min(storage.concurrency, len(files) or 1))) as pool:
+        list(pool.map(check, files))
+
+
+def upload_checkpoint(
+    client: Any,
+    storage: StorageConfig,
+    location: S3Location,
+    info: CheckpointInfo,
+    manifest: bytes,
+    *,
+    on_progress: Callable[[int], None],
+    should_stop: Callable[[], Optional[str]],
+    before_manifest: Callable[[], None] = lambda: None,
+) -> None:
+    """Upload one local checkpoint; the remote manifest (``manifest``, the local bytes) is
+    written last. ``before_manifest`` runs after the size check and may raise to stop
+    (the uploader re-checks that the local folder was not replaced meanwhile). Raises
+    ``Cancelled`` when ``should_stop`` returns a reason, boto3's errors otherwise."""
+    name = info.name
+    remote = read_remote_manifest(client, location, name)
+    if remote is not None and remote != manifest:
+        # A re-save under the same name: from here on the remote folder is incomplete.
+        client.delete_object(Bucket=location.bucket, Key=location.manifest_key(name))
+        _phase("stale-manifest-deleted", name)
+
+    def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
+        return [
+            manager.upload(str(info.path / entry.path), location.bucket,
+                           location.key(name, entry.path), subscribers=[progress])
+            for entry in info.files
+        ]
+
+    _run_transfers(client, storage, submit, on_progress, should_stop)
+    _phase("files-uploaded", name)
+    _verify_sizes(client, storage, location, name, info.files)
+    _phase("sizes-verified", name)
+    before_manifest()
+    client.put_object(
+        Bucket=location.bucket, Key=location.manifest_key(name), Body=manifest,
+        ContentType="application/json",
+    )
+    _phase("manifest-written", name)
+
+
+def download_files(
+    client: Any,
+    storage: StorageConfig,
+    location: S3Location,
+    info: CheckpointInfo,
+    into: Path,
+    *,
+    on_progress: Callable[[int], None] = lambda count: None,
+    should_stop: Callable[[], Optional[str]] = lambda: None,
+) -> None:
+    """Download every file the manifest lists into ``into`` (parallel, ranged GETs)."""
+    for entry in info.files:
+        target = into / entry.path
+        if into.resolve() not in target.resolve().parents:  # read_manifest checks too
+            raise Invalid(f"manifest lists an unsafe path: {entry.path!r}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
+        return [
+            manager.download(location.bucket, location.key(info.name, entry.path),
+                             str(into / entry.path), subscribers=[progress])
+            for entry in info.files
+        ]
+
+    _run_transfers(client, storage, submit, on_progress, should_stop)

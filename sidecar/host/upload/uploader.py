@@ -1,0 +1,414 @@
+"""The daemon's upload thread: each complete local checkpoint to storage, newest first.
+
+A cycle: scan the checkpoint root (``list_checkpoints``: manifest present, sizes match),
+pick the newest checkpoint not yet durable, upload it (``transfer.upload_checkpoint``:
+manifest last), repeat; sleep until the folder changes (inotify) or the next rescan.
+
+- Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
+  is durable every older one still waiting is skipped: resuming needs only the newest.
+  Normally an upload in progress finishes first; when the release is near (remaining
+  seconds below ``near_release_seconds``) it yields at once to the newest checkpoint.
+- Pins. ``.uploading`` is written into the local folder before the first byte goes and
+  removed after, so ``atomic_checkpoint(keep_last=...)`` never deletes a folder that is
+  being uploaded. A daemon killed mid-upload leaves its marker; the next start removes
+  markers it wrote, and uploads that folder again if it is still the one to upload.
+- Failures. An attempt that fails is retried after an exponential backoff with jitter
+  (``backoff_base_seconds`` doubling up to ``backoff_cap_seconds``, times 0.5-1.0); the
+  status says degraded with the error until a storage call succeeds again. Local
+  checkpoints are never deleted because of an upload failure.
+- Restarts. Multipart uploads under the prefix that an earlier run left unfinished are
+  aborted once per start (one prefix belongs to one uploader). A checkpoint whose remote
+  manifest equals the local one is already durable and is not uploaded again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.status import UploadRecord, UploadTracker
+from sidecar.host.upload.storage import StorageConfig, describe_error, make_client
+from sidecar.host.upload.transfer import (
+    Cancelled,
+    manifest_digest,
+    read_remote_manifest,
+    upload_checkpoint,
+)
+from sidecar.host.upload.watch import FolderWatch
+from sidecar.train.checkpoint import CheckpointInfo, list_checkpoints, prune
+from sidecar.train.manifest import MANIFEST_NAME, UPLOADING_MARKER
+
+__all__ = ["MARKER_NAME", "Uploader", "UploaderConfig"]
+
+log = logging.getLogger("sidecar.host.upload")
+
+MARKER_NAME = UPLOADING_MARKER  # pins the folder against retention while it uploads
+_MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader writes
+# Note on a record whose folder vanished (pruned, or moved aside by a re-save that a kill
+# interrupted: if it comes back, it is considered again).
+_GONE = "the local checkpoint is gone"
+
+
+@dataclass(frozen=True)
+class UploaderConfig:
+    root: Path
+    location: S3Location
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    keep_local: Optional[int] = None  # prune durable checkpoints beyond the N newest
+    near_release_seconds: float = 600.0
+    scan_interval_seconds: float = 5.0
+    backoff_base_seconds: float = 1.0
+    backoff_cap_seconds: float = 60.0
+
+
+class _Stale(Exception):
+    """The local folder changed under the upload (re-saved, deleted): start over."""
+
+
+class Uploader:
+    """Start with :meth:`start`, stop with :meth:`stop`; the tracker holds the status."""
+
+    def __init__(
+        self,
+        config: UploaderConfig,
+        *,
+        tracker: Optional[UploadTracker] = None,
+        remaining_seconds: Callable[[], Optional[float]] = lambda: None,
+        client_factory: Callable[[StorageConfig], Any] = make_client,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.tracker = tracker or UploadTracker(
+            source=str(config.root), destination=config.location.url,
+            endpoint=config.storage.endpoint, clock=clock,
+        )
+        self._remaining = remaining_seconds
+        self._client_factory = client_factory
+        self._clock = clock
+        self._client: Optional[Any] = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._watch = FolderWatch(config.root, self.wake)
+        self._started_at = clock()
+        self._prepared = False
+        self._storage_retry_at = 0.0
+        self._last_scan = 0.0  # time.monotonic() of the last scan
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the uploader is already started")
+        self._started_at = self._clock()
+        self._clear_stale_markers()
+        self._thread = threading.Thread(target=self._run, name="esi-sidecar-upload", daemon=True)
+        self._thread.start()
+        log.info("uploading complete checkpoints from %s to %s (%s)", self.config.root,
+                 self.config.location, self.config.storage.where)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop soon: an upload in progress is cancelled (it restarts on the next start).
+
+        ``timeout`` bounds the whole stop, the watcher's included (the daemon's shutdown
+        shares one budget across everything it joins)."""
+        stop_by = time.monotonic() + timeout
+        self._stop.set()
+        self._wake.set()
+        self._watch.stop(timeout=max(0.1, timeout / 2))
+        if self._thread is not None:
+            self._thread.join(max(0.1, stop_by - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("the upload thread did not stop within %.0f s", timeout)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        """Something changed in the folder: rescan now."""
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # Clear before the scan, not after the wait: a wake-up that arrives during
+            # the scan then still cuts the next wait short instead of being lost.
+            self._wake.clear()
+            try:
+                wait = self._cycle()
+            except Exception:  # a bug must not end uploads for the daemon's lifetime
+                log.exception("upload cycle failed")
+                wait = self.config.scan_interval_seconds
+            if wait > 0:
+                self._wake.wait(wait)
+
+    def _cycle(self) -> float:
+        """One scan and at most one upload attempt. Returns how long to sleep."""
+        self._watch.ensure()
+        # Local first: /v1/uploads lists every complete checkpoint as pending even while
+        # storage cannot be reached.
+        self._scan()
+        now = self._clock()
+        if now < self._storage_retry_at:
+            return min(self.config.scan_interval_seconds, self._storage_retry_at - now)
+        if not self._prepared:
+            try:
+                self._abort_leftover_multipart_uploads()
+            except Exception as exc:
+                self._failed(None, describe_error(exc, self.config.storage,
+                                                  "listing unfinished uploads"))
+                return 0.0
+            self._prepared = True
+        record = self._next()
+        if record is None:
+            return self._idle_seconds()
+        self._attempt(record)
+        return 0.0
+
+    def _idle_seconds(self) -> float:
+        now = self._clock()
+        waits = [self.config.scan_interval_seconds]
+        for record in self.tracker.records():
+            if record.state == "failed" and record.retry_at_unix is not None:
+                waits.append(max(0.0, record.retry_at_unix - now))
+        return max(0.01, min(waits))
+
+    # ------------------------------------------------------------------ scanning
+
+    def _local(self) -> list[CheckpointInfo]:
+        """Complete local checkpoints (manifest present, sizes match), newest first."""
+        return [listing.info for listing in list_checkpoints(self.config.root)
+                if listing.info is not None]
+
+    def _scan(self) -> None:
+        self._last_scan = time.monotonic()
+        local = self._local()
+        seen = set()
+        for info in local:
+            seen.add(info.name)
+            try:
+                raw = (info.path / MANIFEST_NAME).read_bytes()
+            except OSError:
+                continue  # went away between the listing and now
+            digest = manifest_digest(raw)
+            old = self.tracker.get(info.name)
+            if old is not None and old.digest == digest and old.note != _GONE:
+                continue
+            if old is not None:
+                log.info("%s was saved again; it will be uploaded again", info.name)
+            self.tracker.put(UploadRecord(
+                name=info.name, step=info.step, created_at_unix=info.created_at.timestamp(),
+                digest=digest, bytes_total=info.total_bytes, file_count=len(info.files),
+            ))
+        for record in self.tracker.records():
+            if record.name not in seen and record.state in ("pending", "failed"):
+                # Deleted (pruned by the trainer, say) before its turn: nothing to upload.
+                self.tracker.update(record.name, state="skipped", retry_at_unix=None,
+                                    note=_GONE)
+        self._skip_superseded()
+
+    def _skip_superseded(self) -> None:
+        durable = self.tracker.last_durable()
+        if durable is None:
+            return
+        for record in self.tracker.records():
+            if record.state in ("pending", "failed") and durable.newer_than(record):
+                self.tracker.update(
+                    record.name, state="skipped", retry_at_unix=None,
+                    note=f"superseded: {durable.name} (step {durable.step}) is durable",
+                )
+
+    def _next(self) -> Optional[UploadRecord]:
+        now = self._clock()
+        for record in self.tracker.records():  # newest first
+            if record.state == "pending":
+                return record
+            if record.state == "failed" and (record.retry_at_unix or 0.0) <= now:
+                return record
+            if record.state == "failed":
+                return None  # the newest is backing off: do not hammer storage with older
+        return None
+
+    # ------------------------------------------------------------------ one attempt
+
+    def _client_or_new(self) -> Any:
+        if self._client is None:
+            self._client = self._client_factory(self.config.storage)
+        return self._client
+
+    def _attempt(self, record: UploadRecord) -> None:
+        folder = self.config.root / record.name
+        try:
+            raw = (folder / MANIFEST_NAME).read_bytes()
+            inode = os.stat(folder).st_ino
+        except OSError:
+            self.tracker.update(record.name, state="skipped", note=_GONE)
+            return
+        if manifest_digest(raw) != record.digest:
+            return  # re-saved since the scan; the next scan picks up the new one
+        info = next((i for i in self._local() if i.name == record.name), None)
+        if info is None:
+            return  # no longer complete (being replaced): the next scan decides
+        self.tracker.update(
+            record.name, state="uploading", attempts=record.attempts + 1, bytes_done=0,
+            started_at_unix=self._clock(), finished_at_unix=None, error=None, note=None,
+        )
+        started = time.monotonic()
+        pinned = self._pin(folder)
+        try:
+            client = self._client_or_new()
+            remote = read_remote_manifest(client, self.config.location, record.name)
+            self.tracker.storage_ok()
+            if remote == raw:
+                self.tracker.record_done(record.name, duration=None,
+                                         note="already complete in storage")
+                log.info("%s is already complete in %s", record.name, self.config.location)
+            else:
+                self._upload(client, record, info, raw, folder, inode)
+                duration = time.monotonic() - started
+                self.tracker.record_done(record.name, duration=duration, note=None)
+                log.info("uploaded %s (%d bytes, %d files) to %s in %.1f s", record.name,
+                         info.total_bytes, len(info.files), self.config.location, duration)
+        except Cancelled as exc:
+            self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
+            log.info("upload of %s stopped: %s", record.name, exc)
+        except _Stale as exc:
+            self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
+            log.info("upload of %s restarts: %s", record.name, exc)
+        except Exception as exc:
+            self._failed(record.name, describe_error(exc, self.config.storage,
+                                                     f"uploading {record.name}"))
+        finally:
+            if pinned:
+                self._unpin(folder)
+        self._skip_superseded()
+        after = self.tracker.get(record.name)
+        if after is not None and after.state == "done":
+            self._keep_local()
+
+    def _upload(self, client: Any, record: UploadRecord, info: CheckpointInfo, raw: bytes,
+                folder: Path, inode: int) -> None:
+        def unchanged() -> None:
+            try:
+                same = (os.stat(folder).st_ino == inode
+                        and manifest_digest((folder / MANIFEST_NAME).read_bytes()) == record.digest)
+            except OSError:
+                same = False
+            if not same:
+                raise _Stale("the local checkpoint was replaced or removed during the upload")
+
+        upload_checkpoint(
+            client, self.config.storage, self.config.location, info, raw,
+            on_progress=lambda count: self.tracker.add_progress(record.name, count),
+            should_stop=lambda: self._should_yield(record),
+            before_manifest=unchanged,
+        )
+
+    def _should_yield(self, current: UploadRecord) -> Optional[str]:
+        """Checked while transfers run: a reason to stop this upload, or None."""
+        if self._stop.is_set():
+            return "the daemon is stopping"
+        if self._wake.is_set() or (
+            time.monotonic() - self._last_scan >= self.config.scan_interval_seconds
+        ):
+            self._wake.clear()
+            self._scan()  # newer checkpoints show up in the status while this one goes
+        remaining = self._remaining()
+        if remaining is None or remaining >= self.config.near_release_seconds:
+            return None  # not near: finish this one, the newest goes next
+        newest = next((r for r in self.tracker.records() if r.state in ("pending", "failed")),
+                      None)
+        if newest is not None and newest.newer_than(current):
+            return (f"yielded to {newest.name} (step {newest.step}): the release is "
+                    f"{max(0.0, remaining):.0f} s away")
+        return None
+
+    def _failed(self, name: Optional[str], message: str) -> None:
+        now = self._clock()
+        failures = self.tracker.record_failure(name, message, retry_at=now)
+        delay = min(self.config.backoff_cap_seconds,
+                    self.config.backoff_base_seconds * 2 ** min(failures - 1, 30))
+        delay *= random.uniform(0.5, 1.0)  # jitter: many hosts must not retry in step
+        retry_at = now + delay
+        if name is not None:
+            self.tracker.update(name, retry_at_unix=retry_at)
+        self._storage_retry_at = retry_at
+        self._client = None  # a fresh client (and connection pool) for the next attempt
+        log.warning("%s; retrying in %.1f s (failure %d in a row)", message, delay, failures)
+
+    # ------------------------------------------------------------------ storage chores
+
+    def _abort_leftover_multipart_uploads(self) -> None:
+        """Abort multipart uploads under our prefix begun before this start: a killed
+        daemon's. They are invisible to readers but cost storage until aborted."""
+        client = self._client_or_new()
+        location = self.config.location
+        paginator = client.get_paginator("list_multipart_uploads")
+        aborted = 0
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.listing_prefix):
+            for upload in page.get("Uploads", []) or []:
+                initiated = upload.get("Initiated")
+                if initiated is not None and initiated.timestamp() >= self._started_at:
+                    continue
+                client.abort_multipart_upload(
+                    Bucket=location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+                aborted += 1
+        self.tracker.storage_ok()
+        if aborted:
+            log.info("aborted %d unfinished multipart upload(s) under %s", aborted, location)
+
+    # ------------------------------------------------------------------ local chores
+
+    def _pin(self, folder: Path) -> bool:
+        text = f"{_MARKER_TEXT} pid={os.getpid()} since={self._clock():.0f}\n"
+        try:
+            (folder / MARKER_NAME).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            log.warning("could not pin %s while uploading it: %s", folder, exc)
+            return False
+        return True
+
+    def _unpin(self, folder: Path) -> None:
+        try:
+            (folder / MARKER_NAME).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", folder / MARKER_NAME, exc)
+
+    def _clear_stale_markers(self) -> None:
+        """Markers an earlier (killed) run left: they would pin folders for ever."""
+        for listing in list_checkpoints(self.config.root):
+            marker = listing.path / MARKER_NAME
+            try:
+                text = marker.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+            if text.startswith(_MARKER_TEXT):
+                self._unpin(listing.path)
+                log.info("removed the stale %s left in %s by an earlier run", MARKER_NAME,
+                         listing.path)
+
+    def _keep_local(self) -> None:
+        keep = self.config.keep_local
+        if keep is None:
+            return
+        settled = {r.name for r in self.tracker.records() if r.state in ("done", "skipped")}
+        try:
+            removed = prune(self.config.root, keep,
+                            protect=lambda info: info.name not in settled)
+        except OSError as exc:
+            log.warning("could not prune %s: %s", self.config.root, exc)
+            return
+        for path in removed:
+            log.info("removed local %s: durable in storage, beyond the %d newest", path.name,
+                     keep)

@@ -1,0 +1,97 @@
+"""The demo's training process: a small model, a CheckpointGuard, atomic checkpoints.
+
+Run by ``esi-sidecar demo`` (``python -m sidecar.tools.demo.trainer``), it is what a user's job
+looks like: resume from the newest valid checkpoint, train, save when the guard says so,
+stop after the final save. It reports each event as one JSON line on stdout so the demo
+can draw its progress line and summary.
+
+Training-side code, like the user's; the model is :mod:`sidecar.tools.demo.toy_model` (torch
+when installed, else pure Python), the same one ``examples/plain_pytorch.py`` trains.
+Steps are padded to ``--step-seconds`` to stand in for a GPU step of known length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from sidecar.tools.demo.toy_model import build_model
+from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
+
+
+def train(
+    root: Path,
+    total_steps: int,
+    step_seconds: float,
+    save_seconds: float,
+    redundant_seconds: float,
+    wait_after_stop: bool,
+) -> int:
+    model = build_model(seed=0)
+    start = 0
+    found = latest_valid(root)
+    if found is not None:
+        start = model.load(found.path) + 1
+    emit("start", resumed_from=None if found is None else found.step, first_step=start,
+         total_steps=total_steps, backend=type(model).__name__)
+    guard = CheckpointGuard(
+        policy=SavePolicy(save_seconds=save_seconds, redundant_seconds=redundant_seconds),
+        refresh_seconds=0.5,
+    )
+    last_step: Optional[int] = None
+    for step in range(start, total_steps):
+        with guard.step():
+            began = time.monotonic()
+            loss = model.train_step()
+            # Stand-in for a GPU step of a known length.
+            time.sleep(max(0.0, step_seconds - (time.monotonic() - began)))
+        last_step = step
+        status = guard.status()
+        emit("step", step=step, loss=loss, remaining=status.remaining_seconds)
+        if guard.should_save():
+            started = time.time()
+            with guard.saving(), atomic_checkpoint(root, step, keep_last=3) as folder:
+                model.save(folder, step)
+            emit("save", step=step, seconds=time.time() - started,
+                 remaining=guard.status().remaining_seconds)
+        if guard.should_stop():
+            emit("stop", step=step, remaining=guard.status().remaining_seconds)
+            if wait_after_stop:
+                # A real job would exit here; the demo keeps the process so the reclaim
+                # can show that a kill -9 after the final save loses nothing.
+                while True:
+                    time.sleep(1)
+            return 0
+    if last_step is not None:
+        with atomic_checkpoint(root, last_step, keep_last=3) as folder:
+            model.save(folder, last_step)
+        emit("save", step=last_step, seconds=0.0, remaining=None, final=True)
+    emit("done", step=last_step)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--total-steps", type=int, required=True)
+    parser.add_argument("--step-seconds", type=float, default=0.5)
+    parser.add_argument("--save-seconds", type=float, default=3.0)
+    parser.add_argument("--redundant-seconds", type=float, default=5.0)
+    parser.add_argument("--wait-after-stop", action="store_true")
+    args = parser.parse_args(argv)
+    return train(args.root, args.total_steps, args.step_seconds, args.save_seconds,
+                 args.redundant_seconds, args.wait_after_stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The save policies compared by the simulator, behind one small per-step protocol.
+
+The engine calls, after every training step and in this order, exactly what a training
+loop with :class:`sidecar.train.guard.CheckpointGuard` calls::
+
+    record_step(step_seconds)                     # `with guard.step(): ...`
+    if should_save(now, deadline):                # guard.should_save()
+        record_save(save_seconds, started_seconds)  # `with guard.saving(): ...`
+    if should_stop(now, deadline):                # guard.should_stop() -> break
+        ...
+
+``deadline`` is the deadline the job knows (None before one is known), on the same clock
+as ``now`` (seconds since the run started).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from sidecar.models import Expiry
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import (
+    DEFAULT_REDUNDANT_SECONDS,
+    DEFAULT_SAVE_SECONDS,
+    SavePolicy,
+    verl_rule,
+)
+
+__all__ = [
+    "POLICIES",
+    "PeriodicPolicy",
+    "Policy",
+    "PolicyFactory",
+    "SidecarPolicy",
+    "SidecarWithPeriodicPolicy",
+    "VerlPolicy",
+    "get_policy",
+]
+
+
+class Policy(Protocol):
+    def record_step(self, seconds: float) -> None: ...
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool: ...
+
+    def record_save(self, seconds: float, started_seconds: float) -> None: ...
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool: ...
+
+
+class PeriodicPolicy:
+    """Save when ``interval_seconds`` have passed since the last save started; never stop.
+
+    The run starts from a checkpoint (a resumed job), so the first save is one interval
+    in. Deadline-blind on purpose: this is the usual advice ("save every 15-60 min").
+    """
+
+    def __init__(self, interval_seconds: float) -> None:
+        self.interval_seconds = interval_seconds
+        self._last_save_started_seconds = 0.0
+
+    def record_step(self, seconds: float) -> None:
+        pass
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        return now_seconds - self._last_save_started_seconds >= self.interval_seconds
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        self._last_save_started_seconds = started_seconds
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        return False
+
+
+class VerlPolicy:
+    """verl's ESI rule as its trainers call it (``ray_trainer.py`` + ``should_save_ckpt_esi``).
+
+    Reproduced from upstream, including the parts that matter here:
+
+    - ``max_steps_duration`` is the running max since the start of the whole step's
+      wall time, measured by the ``step`` timer that also encloses the save: a step that
+      saved counts as step + save. It is updated at the end of the step, so the check
+      uses the max of the previous steps, and is 0 (never save) on the first step.
+    - ``save_ckpt_duration`` is fixed at 60 s; ``redundant_time`` is the trainer's
+      ``esi_redundant_time`` (0 in verl's config, 120 s in the ESI guide).
+    - save when ``remaining > 0 and max_steps_duration > 0 and remaining <= 60 +
+      max_steps_duration + redundant_time`` - on EVERY step inside that window - and only
+      when ``save_freq > 0`` (the ESI trigger is or-ed into the periodic condition).
+    - ``global_steps % save_freq == 0`` also saves; the default here is a ``save_freq``
+      larger than any run, so that only the ESI trigger is compared.
+    """
+
+    def __init__(
+        self,
+        redundant_seconds: float = DEFAULT_REDUNDANT_SECONDS,
+        save_freq: int = 10**9,
+        save_estimate_seconds: float = DEFAULT_SAVE_SECONDS,
+    ) -> None:
+        self.redundant_seconds = redundant_seconds
+        self.save_freq = save_freq
+        self.save_estimate_seconds = save_estimate_seconds
+        self.max_steps_duration = 0.0
+        self.global_steps = 0
+        self._this_step_seconds = 0.0
+
+    def close_to_expiration(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        """``should_save_ckpt_esi``: the deadline check, without the ``save_freq`` gate."""
+        remaining = None if deadline_seconds is None else deadline_seconds - now_seconds
+        return verl_rule(remaining, self.max_steps_duration, self.save_estimate_seconds,
+                         self.redundant_seconds)
+
+    def record_step(self, seconds: float) -> None:
+        self.global_steps += 1
+        self._this_step_seconds = seconds
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        esi = self.close_to_expiration(now_seconds, deadline_seconds)
+        return self.save_freq > 0 and (self.global_steps % self.save_freq == 0 or esi)
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        self._this_step_seconds += seconds
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        # End of verl's step: only now does this step's time (save included) count.
+        self.max_steps_duration = max(self.max_steps_duration, self._this_step_seconds)
+        return False
+
+
+class _KnownDeadline:
+    """Stands in for :class:`~sidecar.train.client.SidecarClient`: a daemon that answers,
+    fresh, the deadline the simulated job knows at the simulated time."""
+
+    urls = ("simulated",)
+    last_error: Optional[str] = None
+
+    def __init__(self) -> None:
+        self.now_seconds = 0.0
+        self.deadline_seconds: Optional[float] = None
+
+    def expiry(self) -> Expiry:
+        deadline = self.deadline_seconds
+        return Expiry(
+            expires_at=None, expires_at_unix=deadline,
+            remaining_seconds=None if deadline is None else deadline - self.now_seconds,
+            kind=None, source="simulated", instance_id=None, scheduled_instance_id=None,
+            observed_at=None, age_seconds=0.0, stale=False, error=None,
+            server_time_unix=self.now_seconds,
+        )
+
+
+class SidecarPolicy:
+    """This project's policy: the real :class:`~sidecar.train.guard.CheckpointGuard` (and
+    its :class:`~sidecar.train.policy.SavePolicy`), not a copy of its bookkeeping.
+
+    The guard runs on the simulated clock and asks a stand-in client for the deadline
+    the job knows at every decision (``refresh_seconds=0``), as a training loop with one
+    process and no reducer would; ``options`` go to ``SavePolicy``.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self._known = _KnownDeadline()
+        self.policy = SavePolicy(**options)
+        self.guard = CheckpointGuard(
+            self._known,  # type: ignore[arg-type]  # duck-typed: expiry, urls, last_error
+            self.policy,
+            refresh_seconds=0.0,
+            daemon_retry_seconds=0.0,
+            clock=self._now,
+            monotonic=self._now,
+            environ={},
+        )
+
+    def _now(self) -> float:
+        return self._known.now_seconds
+
+    def _at(self, now_seconds: float, deadline_seconds: Optional[float]) -> None:
+        self._known.now_seconds = now_seconds
+        self._known.deadline_seconds = deadline_seconds
+
+    def record_step(self, seconds: float) -> None:
+        self.guard.record_step(seconds)
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        self._at(now_seconds, deadline_seconds)
+        return self.guard.should_save()
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        self._known.now_seconds = started_seconds + seconds
+        self.guard.record_save(seconds, started_unix=started_seconds)
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        self._at(now_seconds, deadline_seconds)
+        return self.guard.should_stop()
+
+
+class SidecarWithPeriodicPolicy(SidecarPolicy):
+    """The sidecar plus the user's own periodic saves, all inside ``guard.saving()``.
+
+    The usual deployment: periodic saves bound the loss when no deadline is ever known
+    in time, and, being measured by the guard, they teach the policy the real save time
+    before the final save. A periodic save counts as the final save only when the
+    deadline was known and inside the rule's window when it started; otherwise a
+    deadline learned after it still gets its own save.
+    """
+
+    def __init__(self, interval_seconds: float, **options: Any) -> None:
+        super().__init__(**options)
+        self.periodic = PeriodicPolicy(interval_seconds)
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+        deadline_save = super().should_save(now_seconds, deadline_seconds)
+        return self.periodic.should_save(now_seconds, deadline_seconds) or deadline_save
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        super().record_save(seconds, started_seconds)
+        self.periodic.record_save(seconds, started_seconds)
+
+
+@dataclass(frozen=True)
+class PolicyFactory:
+    """A named recipe: each simulated run gets a fresh policy from ``make``."""
+
+    name: str
+    description: str
+    make: Callable[[], Policy]
+
+
+POLICIES: dict[str, PolicyFactory] = {
+    p.name: p
+    for p in (
+        PolicyFactory("periodic-15", "save every 15 min, deadline-blind",
+                      lambda: PeriodicPolicy(15 * 60.0)),
+        PolicyFactory("periodic-30", "save every 30 min, deadline-blind",
+                      lambda: PeriodicPolicy(30 * 60.0)),
+        PolicyFactory("periodic-60", "save every 60 min, deadline-blind",
+                      lambda: PeriodicPolicy(60 * 60.0)),
+        PolicyFactory("verl", "verl's ESI rule, esi_redundant_time=120 s as the ESI guide sets it",
+                      lambda: VerlPolicy(redundant_seconds=120.0)),
+        PolicyFactory("verl-r0", "verl's ESI rule with verl's default esi_redundant_time=0",
+                      lambda: VerlPolicy(redundant_seconds=0.0)),
+        PolicyFactory("sidecar", "sidecar.train.policy.SavePolicy defaults (max of 100 steps, "
+                      "measured saves x1.2, 120 s margin), once per deadline, then stop",
+                      SidecarPolicy),
+        PolicyFactory("sidecar+periodic-30", "the sidecar plus a save every 30 min, all measured "
+                      "by the guard; a periodic save is the final one only if the deadline was "
+                      "known and inside the window when it started",
+                      lambda: SidecarWithPeriodicPolicy(30 * 60.0)),
+    )
+}
+
+
+def get_policy(name: str) -> PolicyFactory:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -1,0 +1,202 @@
+"""Built-in workloads: how long steps and saves take, and how the release deadline behaves.
+
+A workload is a recipe; :meth:`Workload.trace` turns it into one reproducible run (a
+:class:`Trace`) for a seed. Every policy simulated on the same (workload, seed) meets the
+same trace: step ``i`` and save ``k`` take the same time and the deadline moves at the
+same instants, so differences between policies come from the policies alone (common
+random numbers), and a few hundred seeds are enough to compare them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["WORKLOADS", "DeadlineChange", "Trace", "Workload", "get_workload"]
+
+MINUTE = 60.0
+
+
+@dataclass(frozen=True)
+class DeadlineChange:
+    """At ``at_seconds`` (since the run started) the true deadline becomes ``deadline_seconds``.
+
+    ``deadline_seconds`` None means "no deadline" (a spot machine before its notice). A change
+    at 0 is known to the job at once (the daemon had it before the job started); a later
+    change reaches the job one notice delay after it happened.
+    """
+
+    at_seconds: float
+    deadline_seconds: Optional[float]
+
+
+Schedule = Callable[[random.Random], tuple[DeadlineChange, ...]]
+
+
+class Trace:
+    """One drawn run: step and save durations (drawn lazily, in order) and the schedule."""
+
+    def __init__(self, workload: Workload, seed: int) -> None:
+        self.workload = workload
+        # String seeds are hashed with SHA-512 by `random`: stable across processes,
+        # unlike hash(), so a seed gives the same run everywhere.
+        self._step_rng = random.Random(f"{workload.name}/{seed}/steps")
+        self._save_rng = random.Random(f"{workload.name}/{seed}/saves")
+        self.changes = workload.schedule(random.Random(f"{workload.name}/{seed}/deadline"))
+        self._steps: list[float] = []
+        self._saves: list[float] = []
+
+    def step_seconds(self, index: int) -> float:
+        """Duration of step ``index`` (0-based)."""
+        while len(self._steps) <= index:
+            self._steps.append(self.workload.draw_step(self._step_rng, len(self._steps) + 1))
+        return self._steps[index]
+
+    def save_seconds(self, index: int) -> float:
+        """Duration of the ``index``-th save of the run (0-based)."""
+        while len(self._saves) <= index:
+            self._saves.append(self.workload.draw_save(self._save_rng))
+        return self._saves[index]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Step and save time distributions plus a deadline schedule.
+
+    Steps take ``step_seconds`` +- ``step_jitter`` (uniform, relative); every
+    ``spike_every``-th step takes ``spike_factor`` times as long (validation); each step is
+    a straggler with ``straggler_probability``, taking 3-5x. Saves take ``save_seconds`` +-
+    ``save_jitter``. ``step_max_seconds`` and ``save_max_seconds`` are the largest values these can
+    draw: they define whether a run is feasible at all and the final window (see engine).
+    """
+
+    name: str
+    description: str
+    schedule: Schedule
+    step_seconds: float = 20.0
+    step_jitter: float = 0.05
+    spike_every: int = 0
+    spike_factor: float = 10.0
+    straggler_probability: float = 0.0
+    straggler_factor: tuple[float, float] = (3.0, 5.0)
+    save_seconds: float = 60.0
+    save_jitter: float = 0.10
+    # Non-empty for a stress workload: what it hides from a policy that only sees its
+    # own measurements (the reference workloads leave it empty).
+    stress: str = ""
+
+    def draw_step(self, rng: random.Random, number: int) -> float:
+        """Duration of step ``number`` (1-based, so "every K-th" means K, 2K, ...)."""
+        seconds = self.step_seconds * rng.uniform(1 - self.step_jitter, 1 + self.step_jitter)
+        if self.spike_every and number % self.spike_every == 0:
+            seconds *= self.spike_factor
+        if self.straggler_probability and rng.random() < self.straggler_probability:
+            seconds *= rng.uniform(*self.straggler_factor)
+        return seconds
+
+    def draw_save(self, rng: random.Random) -> float:
+        return self.save_seconds * rng.uniform(1 - self.save_jitter, 1 + self.save_jitter)
+
+    @property
+    def step_max_seconds(self) -> float:
+        factor = 1.0
+        if self.spike_every:
+            factor = max(factor, self.spike_factor)
+        if self.straggler_probability:
+            factor = max(factor, self.straggler_factor[1])
+        return self.step_seconds * (1 + self.step_jitter) * factor
+
+    @property
+    def save_max_seconds(self) -> float:
+        return self.save_seconds * (1 + self.save_jitter)
+
+    def trace(self, seed: int) -> Trace:
+        return Trace(self, seed)
+
+
+# ---------------------------------------------------------------------- schedules
+# ESI: the scheduled release is known from the start, 90-150 min ahead, so that a
+# periodic policy meets the deadline at every phase of its interval.
+
+
+def _release(rng: random.Random) -> float:
+    return rng.uniform(90 * MINUTE, 150 * MINUTE)
+
+
+def fixed_release(rng: random.Random) -> tuple[DeadlineChange, ...]:
+    return (DeadlineChange(0.0, _release(rng)),)
+
+
+def brought_forward(rng: random.Random) -> tuple[DeadlineChange, ...]:
+    """30 min earlier, announced 2-40 min before the new deadline (some inside the window)."""
+    original = _release(rng)
+    new = original - 30 * MINUTE
+    return (DeadlineChange(0.0, original), DeadlineChange(new - rng.uniform(2, 40) * MINUTE, new))
+
+
+def extended(rng: random.Random) -> tuple[DeadlineChange, ...]:
+    """60 min later, announced 0-10 min before the original (after some policies saved)."""
+    original = _release(rng)
+    at = original - rng.uniform(0, 10) * MINUTE
+    return (DeadlineChange(0.0, original), DeadlineChange(at, original + 60 * MINUTE))
+
+
+def extended_then_back(rng: random.Random) -> tuple[DeadlineChange, ...]:
+    """Extended as above; 0-10 min after the original, brought back to 20 min from then."""
+    first = extended(rng)
+    original = first[0].deadline_seconds
+    assert original is not None
+    back_at = original + rng.uniform(0, 10) * MINUTE
+    return (*first, DeadlineChange(back_at, back_at + 20 * MINUTE))
+
+
+def spot_notice(lead_seconds: float) -> Schedule:
+    """No scheduled release; a preemption notice ``lead_seconds`` before the reclaim."""
+
+    def schedule(rng: random.Random) -> tuple[DeadlineChange, ...]:
+        notice = rng.uniform(60 * MINUTE, 150 * MINUTE)
+        return (DeadlineChange(0.0, None), DeadlineChange(notice, notice + lead_seconds))
+
+    return schedule
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("steady", "20 s +-5% steps, 60 s +-10% saves, release in 90-150 min",
+                 fixed_release),
+        Workload("validation-spikes", "as steady, but every 50th step is a 10x validation step",
+                 fixed_release, spike_every=50),
+        Workload("stragglers", "as steady, but 3% of steps are stragglers taking 3-5x",
+                 fixed_release, straggler_probability=0.03),
+        Workload("slow-saves", "as steady, but saves take 150 s +-20% (above verl's fixed 60 s)",
+                 fixed_release, save_seconds=150.0, save_jitter=0.20),
+        Workload("brought-forward", "release moved 30 min earlier, announced 2-40 min before it",
+                 brought_forward),
+        Workload("extended", "release moved 60 min later, announced 0-10 min before the original",
+                 extended),
+        Workload("extended-then-back",
+                 "extended as above, then 0-10 min past the original moved back to 20 min away",
+                 extended_then_back),
+        Workload("spot-notice-120s", "no scheduled release; preemption notice 120 s before reclaim",
+                 spot_notice(120.0)),
+        Workload("spot-notice-30s", "no scheduled release; preemption notice 30 s before reclaim",
+                 spot_notice(30.0)),
+        Workload("rare-validation", "as steady, but every 150th step is a 10x validation step",
+                 fixed_release, spike_every=150,
+                 stress="the spike can fall outside the 100-step window of the step estimate"),
+        Workload("very-slow-saves", "as steady, but saves take 240 s +-20%",
+                 fixed_release, save_seconds=240.0, save_jitter=0.20,
+                 stress="a job that saves only at the deadline never measured a save"),
+    )
+}
+
+
+def get_workload(name: str) -> Workload:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}"
+        ) from None

@@ -1,0 +1,206 @@
+"""The deadline to act on (standard library only): the daemon's, cached, with the
+platform's environment variables as the fallback.
+
+Shared by :class:`sidecar.train.guard.CheckpointGuard` and the verl drop-in, so that both
+cache, retry and fall back alike. The arrows run one way: client <- deadline <- guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Callable, Optional
+
+from sidecar.timeparse import TimestampError, parse_timestamp
+from sidecar.train.client import SidecarClient
+from sidecar.train.policy import check_seconds
+
+__all__ = ["ENV_DEADLINE_VARIABLES", "DeadlineTracker", "env_deadline"]
+
+logger = logging.getLogger("sidecar.train.deadline")
+
+# Set by the platform when the container starts: Volcengine ML platform, then SageMaker
+# capacity blocks. Seconds or milliseconds (AWS documents both), or RFC 3339.
+ENV_DEADLINE_VARIABLES = (
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
+)
+
+
+def env_deadline(environ: Mapping[str, str] = os.environ) -> Optional[float]:
+    """The platform's capacity-block deadline from the environment, as Unix seconds.
+
+    Reads ``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``, then
+    ``SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``: Unix seconds or
+    milliseconds (told apart by magnitude) or RFC 3339. A value that does not parse is
+    skipped with one warning per call, never raised: it is outside data.
+    """
+    for name in ENV_DEADLINE_VARIABLES:
+        value = environ.get(name)
+        if value is None or not value.strip():
+            continue
+        try:
+            return parse_timestamp(value).unix
+        except TimestampError as exc:
+            logger.warning("ignoring %s: %s", name, exc)
+    return None
+
+
+class DeadlineTracker:
+    """The deadline to act on: the daemon's, cached; the environment's as the fallback.
+
+    Shared by :class:`CheckpointGuard` and the verl drop-in, so that both cache, retry and
+    fall back alike.
+
+    - ``client``: a :class:`SidecarClient` (anything with ``expiry()``, ``last_error`` and
+      ``urls``; ``degraded_urls`` is read when present).
+    - ``refresh_seconds``: ask the daemon at most this often; ``daemon_retry_seconds``:
+      after a failure (of any of the daemons), wait this long instead, so a hung daemon
+      costs at most one ``timeout`` per retry interval.
+    - ``clock`` (wall, for deadlines; kept for callers as ``tracker.clock``) and
+      ``monotonic`` (refresh timing): injectable for tests.
+    - ``environ``: where to read ``ENV_DEADLINE_VARIABLES`` (default ``os.environ``).
+      Read once here, unless ``live_environ``: then read at every call, as verl does (a
+      value is parsed, and a bad one warned about, once per change).
+
+    :meth:`deadline` answers ``(deadline_unix, "daemon" | "env" | None)``: the daemon's
+    deadline while every daemon gives a current answer with one; the environment's when the
+    daemon freshly says none is scheduled, or no daemon deadline was ever known; otherwise
+    (a daemon unreachable, or answering stale without a deadline) the earlier of the
+    daemon's last known deadline and the environment's.
+
+    Never raises on the daemon's or the environment's account. Logs one warning when the
+    daemon becomes unreachable and one line when it is back; one when its answers turn
+    stale and one when they are fresh again. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        *,
+        refresh_seconds: float = 1.0,
+        daemon_retry_seconds: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        environ: Optional[Mapping[str, str]] = None,
+        live_environ: bool = False,
+    ) -> None:
+        self.refresh_seconds = check_seconds("refresh_seconds", refresh_seconds)
+        self.daemon_retry_seconds = check_seconds("daemon_retry_seconds", daemon_retry_seconds)
+        self.client = client
+        self.clock = clock
+        self._monotonic = monotonic
+        self._live_environ: Optional[Mapping[str, str]] = environ
+        self._environ: Optional[Mapping[str, str]] = None
+        if not live_environ:
+            source = os.environ if environ is None else environ
+            self._environ = {n: source[n] for n in ENV_DEADLINE_VARIABLES if n in source}
+        self._env_raw: Optional[tuple[Optional[str], ...]] = None
+        self._env_value: Optional[float] = None
+        self._lock = threading.Lock()
+        self._next_refresh: Optional[float] = None  # monotonic; None: refresh now
+        self._reachable = False
+        self._current = False  # the daemon deadline is a current answer from every daemon
+        self._daemon_deadline: Optional[float] = None  # the last deadline the daemon gave
+        self._last_error: Optional[str] = None
+        self._warned_unreachable = False
+        self._warned_stale = False
+
+    @property
+    def reachable(self) -> bool:
+        """Did every daemon answer the last request?"""
+        return self._reachable
+
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last request failed (for some or all daemons), else None."""
+        return self._last_error
+
+    def deadline(self, *, refresh: bool = True) -> tuple[Optional[float], Optional[str]]:
+        """``(deadline_unix, source)``; asks the daemon first when a refresh is due.
+
+        ``refresh=False`` never asks: for a save that must not wait for the daemon.
+        """
+        with self._lock:
+            if refresh:
+                self._maybe_refresh()
+            return self._choose()
+
+    def _env_deadline(self) -> Optional[float]:
+        environ = self._environ
+        if environ is None:
+            environ = os.environ if self._live_environ is None else self._live_environ
+        raw = tuple(environ.get(name) for name in ENV_DEADLINE_VARIABLES)
+        if raw != self._env_raw:
+            self._env_raw = raw
+            self._env_value = env_deadline(environ)
+        return self._env_value
+
+    def _choose(self) -> tuple[Optional[float], Optional[str]]:
+        daemon, env = self._daemon_deadline, self._env_deadline()
+        if daemon is not None:
+            if not self._current and env is not None and env < daemon:
+                return env, "env"  # the daemon's word is a last known one: the earlier wins
+            return daemon, "daemon"
+        if env is not None:
+            return env, "env"
+        return None, None
+
+    def _maybe_refresh(self) -> None:
+        now = self._monotonic()
+        if self._next_refresh is not None and now < self._next_refresh:
+            return
+        try:
+            answer = self.client.expiry()
+            error = self.client.last_error
+            degraded = tuple(getattr(self.client, "degraded_urls", ()))
+        except Exception as exc:  # a client given by the caller may raise
+            answer, error, degraded = None, f"{type(exc).__name__}: {exc}", ()
+        self._last_error = error
+        failed = answer is None or error is not None
+        self._next_refresh = now + (self.daemon_retry_seconds if failed else self.refresh_seconds)
+        if answer is None:
+            self._reachable = self._current = False
+            if not self._warned_unreachable:
+                self._warned_unreachable = True
+                deadline, source = self._choose()
+                fallback = (
+                    "no deadline known"
+                    if deadline is None
+                    else f"using the {'last known' if source == 'daemon' else source} deadline"
+                )
+                logger.warning(
+                    "sidecar daemon unreachable (%s); %s; retrying every %g s",
+                    error,
+                    fallback,
+                    self.daemon_retry_seconds,
+                )
+            return
+        # Stale and without a deadline (restarted without its state file while its source
+        # fails): nothing new, so the last known deadline stays, as when unreachable.
+        says_nothing = answer.stale and answer.expires_at_unix is None
+        if not says_nothing:
+            self._daemon_deadline = answer.expires_at_unix
+        self._reachable = error is None
+        self._current = error is None and not degraded and not says_nothing
+        if self._warned_unreachable:
+            self._warned_unreachable = False
+            logger.info("sidecar daemon reachable again at %s", ", ".join(self.client.urls))
+        if error is not None:
+            return  # some daemons failed: the client logged that, once per change
+        if answer.stale and not self._warned_stale:
+            self._warned_stale = True
+            kept = (
+                "; it gave no deadline, the last known one is kept"
+                if says_nothing and self._daemon_deadline is not None
+                else ""
+            )
+            logger.warning(
+                "sidecar daemon's deadline is stale (last poll error: %s)%s", answer.error, kept
+            )
+        elif not answer.stale and self._warned_stale:
+            self._warned_stale = False
+            logger.info("sidecar daemon's deadline is fresh again")

@@ -1,0 +1,337 @@
+"""The training-loop guard: the save rule (``sidecar.train.policy``) fed by the deadline.
+
+Standard library only (plus ``sidecar.train.deadline``, ``sidecar.train.policy``): like the
+client, it must import in any training image.
+
+Ten lines in a training loop::
+
+    guard = CheckpointGuard()
+    for batch in loader:
+        with guard.step():
+            train_step(batch)
+        if guard.should_save():
+            with guard.saving():
+                save_checkpoint()
+        if guard.should_stop():
+            break
+
+Nothing here raises into the training loop because the daemon is down, slow or talking
+nonsense: the deadline comes from :class:`~sidecar.train.deadline.DeadlineTracker`, which keeps
+the last known one, falls back to the platform's environment variables, logs one warning
+and retries later. Exceptions from the user's own save function do propagate (a failed
+save silently taken for a good one would be worse than a crash), and the save is then not
+counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, TypeVar
+
+from sidecar.train.client import SidecarClient
+from sidecar.train.deadline import DeadlineTracker
+from sidecar.train.policy import PolicyDecision, SavePolicy
+
+__all__ = [
+    "UNKNOWN_COVERED",
+    "UNKNOWN_REMAINING",
+    "UNKNOWN_SAVE",
+    "UNKNOWN_STEP",
+    "CheckpointGuard",
+    "GuardStatus",
+    "Reducer",
+]
+
+logger = logging.getLogger("sidecar.train.guard")
+
+T = TypeVar("T")
+
+# How "unknown" travels through a MIN/MAX reduction across ranks (see Reducer).
+UNKNOWN_REMAINING = math.inf  # reduced with MIN: any rank that knows a deadline wins
+UNKNOWN_STEP = -1.0  # reduced with MAX
+UNKNOWN_SAVE = -1.0  # reduced with MAX: a save measured on any rank (often rank 0) wins
+UNKNOWN_COVERED = -math.inf  # reduced with MAX: a save made on any rank covers everyone
+
+
+class Reducer(Protocol):
+    """Makes every rank of a distributed job decide alike (``torch.distributed`` etc.).
+
+    Called with this rank's four numbers, it returns the same four numbers combined
+    across all ranks: ``(MIN remaining_seconds, MAX step_seconds, MAX save_seconds,
+    MAX covered_seconds)``. Unknown values arrive as sentinels that survive exactly that
+    reduction: ``remaining_seconds = +inf`` (no deadline), ``step_seconds = -1``
+    (no step measured), ``save_seconds = -1`` (no save measured: the configured value is
+    used), ``covered_seconds = -inf`` (no save made). Use float64: remaining times can
+    be large.
+
+    A torch implementation: ``t = torch.tensor([r, -s, -v, -c], dtype=torch.float64)``,
+    ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1], -t[2], -t[3])`` as floats.
+
+    The arguments are positional, so any function of four floats fits. The guard calls
+    it exactly once per ``should_save()`` and once per ``should_stop()``
+    on every rank: both are collective and must be called on every rank the same number
+    of times, or the job hangs. Exceptions from it propagate: skipping a collective on
+    one rank would hang the others.
+    """
+
+    def __call__(
+        self,
+        remaining_seconds: float,
+        step_seconds: float,
+        save_seconds: float,
+        covered_seconds: float,
+        /,
+    ) -> tuple[float, float, float, float]: ...
+
+
+@dataclass(frozen=True)
+class GuardStatus:
+    """What the guard knows right now, for a log line or a progress bar."""
+
+    remaining_seconds: Optional[float]
+    budget_seconds: Optional[float]
+    step_seconds: Optional[float]
+    save_seconds: float
+    deadline_unix: Optional[float]
+    deadline_source: Optional[str]  # "daemon", "env" or None
+    daemon_reachable: bool
+    save_now: bool
+    stop: bool
+    reason: str
+    last_error: Optional[str]
+
+
+class CheckpointGuard:
+    """Policy + I/O: decides at every step whether to save now, and when to stop.
+
+    - ``client``: a :class:`SidecarClient` (default: one built from ``ESI_SIDECAR_URL``).
+    - ``policy``: a :class:`SavePolicy` (default: 60 s save, 120 s margin, max of the
+      last 100 steps).
+    - ``refresh_seconds``: ask the daemon at most this often (default 1 s). Between
+      refreshes the cached absolute deadline is used and the remaining time recomputed
+      from ``clock``, so a step costs two clock reads when no refresh is due.
+    - ``daemon_retry_seconds``: after a failed request (to any of the daemons), wait this
+      long before the next (default 5 s), so a hung daemon costs at most one ``timeout``
+      per 5 s.
+    - ``clock`` (wall, for deadlines) and ``monotonic`` (for durations and refresh
+      timing): injectable for tests.
+    - ``reducer``: see :class:`Reducer`; None for a single process.
+    - ``environ``: where to read the fallback deadline variables (default ``os.environ``,
+      read once here).
+
+    Where the deadline comes from (see :class:`DeadlineTracker`, which caches it): the
+    daemon's answer while it has a current one; the environment variables when the daemon
+    freshly answers without one, or none was ever known; while a daemon is unreachable or
+    answers stale without a deadline, the earlier of its last known deadline and the
+    environment's. Not thread-safe: call it from the training loop's thread.
+    """
+
+    def __init__(
+        self,
+        client: Optional[SidecarClient] = None,
+        policy: Optional[SavePolicy] = None,
+        *,
+        refresh_seconds: float = 1.0,
+        daemon_retry_seconds: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        reducer: Optional[Reducer] = None,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        self._tracker = DeadlineTracker(
+            client if client is not None else SidecarClient(),
+            refresh_seconds=refresh_seconds,
+            daemon_retry_seconds=daemon_retry_seconds,
+            clock=clock,
+            monotonic=monotonic,
+            environ=environ,
+        )
+        self.policy = policy if policy is not None else SavePolicy()
+        self._clock = clock
+        self._monotonic = monotonic
+        self._reducer = reducer
+        self._warned_internal = False
+        self._stopping = False
+        self._last_decision: Optional[PolicyDecision] = None
+        self._last_save_decision: Optional[PolicyDecision] = None
+        # The deadline (reduced across ranks) behind the last should_save()/should_stop();
+        # _decided is False until one of them ran.
+        self._decided = False
+        self._decided_deadline: Optional[float] = None
+
+    @property
+    def client(self) -> SidecarClient:
+        return self._tracker.client
+
+    @property
+    def refresh_seconds(self) -> float:
+        return self._tracker.refresh_seconds
+
+    @property
+    def daemon_retry_seconds(self) -> float:
+        return self._tracker.daemon_retry_seconds
+
+    @property
+    def last_error(self) -> Optional[str]:
+        """Why the last request to the daemon(s) failed, else None."""
+        return self._tracker.last_error
+
+    # ------------------------------------------------------------------ measuring
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Time one training step. A step that raises is not recorded."""
+        started = self._monotonic()
+        yield
+        self.policy.record_step(max(0.0, self._monotonic() - started))
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Time one save and count it as done. A save that raises is not counted.
+
+        Any save may be timed here, routine ones too: each teaches the policy the save
+        time. It counts as the final save for a deadline only when that deadline was
+        known and inside the rule's window when the save started (see
+        ``SavePolicy.record_save``).
+        """
+        started_unix = self._clock()
+        deadline = self._deadline_for_save()
+        started = self._monotonic()
+        yield
+        self._record_save(
+            max(0.0, self._monotonic() - started), started_unix=started_unix, deadline_unix=deadline
+        )
+
+    def record_step(self, seconds: float) -> None:
+        """For callers that time steps themselves (framework callbacks)."""
+        self.policy.record_step(seconds)
+
+    def record_save(self, seconds: float, *, started_unix: Optional[float] = None) -> None:
+        """For callers that time saves themselves; ``started_unix`` defaults to now - seconds.
+
+        Call it right after the save, before the next ``should_save()``: the save is taken
+        to be for the deadline that the last ``should_save()`` (or ``should_stop()``) used.
+        """
+        if started_unix is None:
+            started_unix = self._clock() - seconds
+        self._record_save(seconds, started_unix=started_unix,
+                          deadline_unix=self._deadline_for_save())
+
+    def _deadline_for_save(self) -> Optional[float]:
+        """The deadline a save starting now is made for.
+
+        The one behind the last collective decision (reduced across ranks, so every rank
+        records the same deadline whichever rank knew it), else this rank's cached one
+        (no request: a save must not wait for the daemon).
+        """
+        if self._decided:
+            return self._decided_deadline
+        return self._tracker.deadline(refresh=False)[0]
+
+    def _record_save(
+        self, seconds: float, *, started_unix: float, deadline_unix: Optional[float]
+    ) -> None:
+        # The budget of the decision that asked for this save, so that the save covers
+        # what that decision promised; the deadline known when it started, so that a
+        # routine save made before the deadline was known (or while it was far) does not
+        # count as the final save (see SavePolicy.record_save).
+        asked = self._last_save_decision
+        budget = None if asked is None else asked.budget_seconds
+        self.policy.record_save(
+            seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
+        )
+
+    # ------------------------------------------------------------------ deciding
+
+    def should_save(self) -> bool:
+        """Save now? At most once per deadline. Collective when a reducer is set."""
+        decision, self._decided_deadline = self._decide(reduce=True)
+        self._decided = True
+        self._last_decision = self._last_save_decision = decision
+        if decision.save_now:
+            logger.info("checkpoint now: %s", decision.reason)
+        return decision.save_now
+
+    def should_stop(self) -> bool:
+        """True once the final save is done and no further step could be saved in time.
+
+        Collective when a reducer is set (so that every rank leaves the loop together).
+        """
+        decision, self._decided_deadline = self._decide(reduce=True)
+        self._decided = True
+        self._last_decision = decision
+        if decision.stop and not self._stopping:
+            logger.info("stop training: %s", decision.reason)
+        self._stopping = decision.stop
+        return decision.stop
+
+    def maybe_save(self, save: Callable[[], T]) -> bool:
+        """Call ``save()`` inside :meth:`saving` when :meth:`should_save`; True if it ran."""
+        if not self.should_save():
+            return False
+        with self.saving():
+            save()
+        return True
+
+    def status(self) -> GuardStatus:
+        """This rank's view, without the reducer (never collective): for logging."""
+        decision, _deadline = self._decide(reduce=False)
+        deadline, source = self._tracker.deadline(refresh=False)
+        return GuardStatus(
+            remaining_seconds=decision.remaining_seconds,
+            budget_seconds=decision.budget_seconds,
+            step_seconds=decision.step_seconds,
+            save_seconds=decision.save_seconds,
+            deadline_unix=deadline,
+            deadline_source=source,
+            daemon_reachable=self._tracker.reachable,
+            save_now=decision.save_now,
+            stop=decision.stop,
+            reason=decision.reason,
+            last_error=self.last_error,
+        )
+
+    @property
+    def last_decision(self) -> Optional[PolicyDecision]:
+        """The decision behind the last should_save() or should_stop() (not status())."""
+        return self._last_decision
+
+    def _decide(self, *, reduce: bool) -> tuple[PolicyDecision, Optional[float]]:
+        """The decision, and the absolute deadline it used (reduced across ranks)."""
+        now_unix = self._clock()
+        try:
+            deadline, _source = self._tracker.deadline()
+        except Exception:  # a bug of ours must not stop training
+            if not self._warned_internal:
+                logger.exception("sidecar client failed; deciding without a deadline")
+                self._warned_internal = True
+            deadline = None
+        policy = self.policy
+        remaining = None if deadline is None else deadline - now_unix
+        step = policy.step_estimate()
+        measured_save = policy.measured_save_estimate()
+        covered = policy.covered_seconds(now_unix)
+        if reduce and self._reducer is not None:
+            reduced = self._reducer(
+                UNKNOWN_REMAINING if remaining is None else remaining,
+                UNKNOWN_STEP if step is None else step,
+                UNKNOWN_SAVE if measured_save is None else measured_save,
+                UNKNOWN_COVERED if covered is None else covered,
+            )
+            r, s, v, c = (float(x) for x in reduced)
+            remaining = None if math.isinf(r) or math.isnan(r) else r
+            step = None if s < 0 or math.isnan(s) else s
+            measured_save = None if v < 0 or math.isnan(v) else v
+            covered = None if math.isinf(c) or math.isnan(c) else c
+        decision = policy.decide(
+            remaining,
+            step_seconds=step,
+            save_seconds=policy.save_seconds if measured_save is None else measured_save,
+            covered_seconds=covered,
+        )
+        return decision, None if remaining is None else now_unix + remaining

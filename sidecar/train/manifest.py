@@ -1,0 +1,225 @@
+"""On-disk format of a checkpoint folder.
+
+Split out of :mod:`sidecar.train.checkpoint` so that module holds the behaviour (commit,
+discovery, retention) and this one the format: what ``MANIFEST.json`` says, how a folder
+is made durable before it is described (with :mod:`sidecar.train.durable`), and how a
+folder is checked against its manifest. Standard library only, like every training-side module.
+
+A manifest is written last, after every file it lists has been fsynced; a folder without
+one is never a checkpoint. That single rule is what makes a killed save harmless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Optional, Union
+
+from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
+from sidecar.train.durable import sync_file, sync_tree
+
+# What every public function takes for a folder: a str or any os.PathLike (pathlib.Path).
+PathLike = Union[str, "os.PathLike[str]"]
+MANIFEST_NAME = "MANIFEST.json"
+FORMAT_NAME = "esi-sidecar-checkpoint"
+FORMAT_VERSION = 1
+# Marker files that pin a checkpoint against retention. They come and go after the
+# commit (the host-side uploader writes ``.uploading`` while it uploads), so they are
+# never listed in a manifest: adding or removing one must not invalidate the folder.
+UPLOADING_MARKER = ".uploading"  # written by the host-side uploader
+KEEP_MARKER = ".keep"  # written by the user
+PIN_MARKERS = (UPLOADING_MARKER, KEEP_MARKER)
+_NOT_LISTED = frozenset((MANIFEST_NAME, *PIN_MARKERS))
+
+_READ_CHUNK = 8 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written, or a folder is not a valid checkpoint.
+
+    ``reason`` is the short cause without the folder's path (what ``list_checkpoints``
+    reports); the message names the folder.
+    """
+
+    def __init__(self, message: str, *, reason: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: path relative to its folder ('/'-separated), size, hash."""
+
+    path: str
+    size: int
+    sha256: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint as its manifest describes it (validated when returned by the API)."""
+
+    path: Path
+    step: int
+    created_at: datetime
+    total_bytes: int
+    metadata: dict[str, Any]
+    files: tuple[FileEntry, ...]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+class Invalid(Exception):
+    """Internal: why a folder is not a valid checkpoint (the reason alone, no path)."""
+
+
+# -- durability ----------------------------------------------------------------------
+
+
+def sync_checkpoint_files(
+    folder: Path, *, checksum: bool, on_file: Callable[[str], None]
+) -> list[FileEntry]:
+    """fsync every regular file under ``folder`` and every sub-folder, then the folder.
+
+    Returns the entries a manifest lists, sorted by path. Symbolic links and special
+    files are left out of the manifest (and so not validated on resume): a link could
+    point outside the checkpoint and dangle after the rename.
+    """
+    entries: list[FileEntry] = []
+
+    def visit(full: Path) -> None:
+        relative = full.relative_to(folder).as_posix()
+        if relative in _NOT_LISTED:
+            return
+        size, digest = sync_file(full, checksum=checksum)
+        entries.append(FileEntry(relative, size, digest))
+        on_file(relative)
+
+    sync_tree(folder, on_file=visit)
+    return entries
+
+
+def sha256_of(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb", buffering=0) as handle:
+        for chunk in iter(lambda: handle.read(_READ_CHUNK), b""):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+# -- format --------------------------------------------------------------------------
+
+
+def render_manifest(
+    *,
+    name: str,
+    step: int,
+    created_unix: float,
+    entries: list[FileEntry],
+    metadata: dict[str, Any],
+    checksum: bool,
+) -> bytes:
+    body = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "step": step,
+        "created_at": format_rfc3339(created_unix),
+        "checksum": "sha256" if checksum else None,
+        "total_bytes": sum(entry.size for entry in entries),
+        "file_count": len(entries),
+        "files": [
+            {"path": e.path, "size": e.size, **({"sha256": e.sha256} if e.sha256 else {})}
+            for e in entries
+        ],
+        "metadata": metadata,
+    }
+    return (json.dumps(body, indent=1, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _safe_relative(text: Any) -> str:
+    if not isinstance(text, str) or not text:
+        raise Invalid(f"manifest lists a file without a path: {text!r}")
+    pure = PurePosixPath(text)
+    if pure.is_absolute() or any(part in ("", ".", "..") for part in text.split("/")):
+        raise Invalid(f"manifest lists an unsafe path: {text!r}")
+    return text
+
+
+def _integer(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Invalid(f"manifest {what} is not a non-negative integer: {value!r}")
+    return value
+
+
+def read_manifest(folder: Path) -> CheckpointInfo:
+    """Parse ``folder/MANIFEST.json`` without looking at the files. Raises :class:`Invalid`."""
+    try:
+        raw = (folder / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise Invalid(
+            f"no {MANIFEST_NAME}: partial save, or not written by atomic_checkpoint"
+        ) from None
+    except OSError as exc:
+        raise Invalid(f"{MANIFEST_NAME} unreadable: {exc}") from None
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Invalid(f"{MANIFEST_NAME} is not valid JSON ({exc})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise Invalid(f"{MANIFEST_NAME} is not an {FORMAT_NAME} manifest")
+    if body.get("format_version") != FORMAT_VERSION:
+        raise Invalid(f"unsupported manifest format_version {body.get('format_version')!r}")
+    step = _integer(body.get("step"), "step")
+    try:
+        created = parse_timestamp(body.get("created_at")).when  # type: ignore[arg-type]
+    except TimestampError as exc:
+        raise Invalid(f"manifest created_at: {exc}") from None
+    files = body.get("files")
+    if not isinstance(files, list):
+        raise Invalid("manifest has no file list")
+    entries = []
+    for item in files:
+        if not isinstance(item, dict):
+            raise Invalid(f"manifest file entry is not an object: {item!r}")
+        digest = item.get("sha256")
+        if digest is not None and not isinstance(digest, str):
+            raise Invalid(f"manifest sha256 is not a string: {digest!r}")
+        entries.append(
+            FileEntry(_safe_relative(item.get("path")), _integer(item.get("size"), "size"), digest)
+        )
+    total = _integer(body.get("total_bytes"), "total_bytes")
+    if total != sum(entry.size for entry in entries):
+        raise Invalid("manifest total_bytes does not match the sum of its file sizes")
+    metadata = body.get("metadata")
+    if not isinstance(metadata, dict):
+        raise Invalid("manifest metadata is not a JSON object")
+    return CheckpointInfo(folder, step, created, total, metadata, tuple(entries))
+
+
+def check_files(info: CheckpointInfo, *, verify_checksums: bool) -> None:
+    """Compare the files on disk with the manifest: sizes always, sha256 when asked."""
+    for entry in info.files:
+        path = info.path / entry.path
+        try:
+            found = os.stat(path)
+        except FileNotFoundError:
+            raise Invalid(f"file {entry.path} listed in the manifest is missing") from None
+        if not stat.S_ISREG(found.st_mode):
+            raise Invalid(f"{entry.path} is not a regular file")
+        if found.st_size != entry.size:
+            raise Invalid(
+                f"file {entry.path} is {found.st_size} bytes, the manifest says {entry.size}"
+            )
+    if not verify_checksums:
+        return
+    for entry in info.files:
+        if entry.sha256 is not None and sha256_of(info.path / entry.path) != entry.sha256:
+            raise Invalid(f"file {entry.path} does not match its sha256 in the manifest")

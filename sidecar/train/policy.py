@@ -1,0 +1,364 @@
+"""The save rule and its estimators: pure, clock injected, no I/O (standard library only).
+
+The rule (ARCHITECTURE.md, and verl's ``should_save_ckpt_esi``)::
+
+    save now  when  0 < T_expire - T_now <= T_max_step + T_save + T_redundant
+
+What this module does better than the seed in verl
+(``verl/utils/checkpoint/checkpoint_manager.py``):
+
+- ``T_max_step`` is a statistic ("max", "p95" or "p99") over a sliding window of the most
+  recent steps, not the running max since start: one slow warm-up step (compilation,
+  data-loader start) no longer inflates the budget for the whole run.
+- ``T_save`` follows measured saves instead of a fixed 60 s (see :meth:`SavePolicy.save_estimate`).
+- It saves ONCE per deadline. The seed stays true for every step inside the window and
+  saves again and again, each save eating into the time left. Here a save made for a
+  deadline "covers" every deadline no further than one budget after the save started;
+  the rule re-arms only when the deadline moves later than that.
+- A save counts as made for a deadline only when that deadline was known when the save
+  started and already inside the save's window (``deadline <= started + budget``). A
+  routine save made before any deadline was known, or while it was still far away,
+  disarms nothing: a notice arriving soon after it still gets its own final save, so
+  the training done since the routine save is not lost. A routine (periodic) save made
+  while the deadline is known and inside the window is the final save. Until the next
+  training step, though, every save covers like a final one: a deadline learned while
+  it was being written finds the job with nothing unsaved, and another save could
+  only repeat it (or be cut by the release).
+- After the covering save, ``stop`` turns true: another step plus another save no longer
+  fits before the deadline with the safety margin, so the job can exit cleanly.
+
+Decided and left as they are (see docs/simulation.md, stress workloads):
+
+- Until a save was measured, it is assumed to take ``save_seconds`` (60 s). A job whose
+  saves take longer and that only ever saves at the deadline starts that save too late;
+  set ``save_seconds``, or time routine saves through the guard so that the final save
+  uses a measured value. A larger default would stop every other job earlier than
+  needed, for nothing, so there is no better default to pick.
+- The step estimate looks at the last ``window`` (100) steps so that a slow warm-up step
+  is forgotten; a spike rarer than the window (a validation step every 150 steps) is
+  forgotten too. Nothing in the step times alone tells a one-off warm-up from a rare
+  recurring spike, so the remedy is the user's: a ``window`` longer than the spike's
+  period.
+
+Every time is passed in (``now_unix``, ``started_unix``): the policy never reads a clock,
+so tests drive it step by step and the guard in ``sidecar.train.client`` owns all I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = [
+    "DEFAULT_REDUNDANT_SECONDS",
+    "DEFAULT_SAVE_SECONDS",
+    "STATISTICS",
+    "PolicyDecision",
+    "SavePolicy",
+    "check_seconds",
+    "seed_rule",
+    "verl_rule",
+]
+
+# The ESI guide's defaults: a save is assumed to take 60 s, and 120 s are kept in hand.
+DEFAULT_SAVE_SECONDS = 60.0
+DEFAULT_REDUNDANT_SECONDS = 120.0
+
+# Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
+# 1/(1-q) samples a percentile is the max: conservative while little is known).
+STATISTICS = {"max": 1.0, "p95": 0.95, "p99": 0.99}
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """One evaluation of the rule, with the numbers behind it (for logs and status).
+
+    ``remaining_seconds`` is None when no deadline is known; ``budget_seconds`` and
+    ``step_seconds`` are None before the first step was measured.
+    """
+
+    save_now: bool
+    stop: bool
+    remaining_seconds: Optional[float]
+    budget_seconds: Optional[float]
+    step_seconds: Optional[float]
+    save_seconds: float
+    reason: str
+
+
+def check_seconds(name: str, value: float) -> float:
+    """``value`` as a float if it is a finite number of seconds >= 0, else ValueError naming
+    ``name``. Shared with ``sidecar.train.client`` and the integrations: one rule for every
+    duration a user passes in."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def seed_rule(
+    remaining_seconds: Optional[float],
+    step_seconds: float,
+    save_seconds: float,
+    redundant_seconds: float,
+) -> tuple[bool, float]:
+    """The seed rule: save when ``0 < remaining <= step + save + redundant``.
+
+    Returns ``(save_now, budget_seconds)``. No deadline, or one already passed, never
+    asks for a save: there is nothing left to save before. The one implementation, used
+    by :class:`SavePolicy`, the daemon's ``/v1/decision``, ``esi-sidecar check`` and
+    :func:`verl_rule`.
+    """
+    budget = step_seconds + save_seconds + redundant_seconds
+    save_now = remaining_seconds is not None and 0 < remaining_seconds <= budget
+    return save_now, budget
+
+
+def verl_rule(
+    remaining_seconds: Optional[float],
+    max_steps_duration: float,
+    save_ckpt_duration: float,
+    redundant_time: float,
+) -> bool:
+    """verl's ``should_save_ckpt_esi`` (``verl/utils/checkpoint/checkpoint_manager.py``):
+    the seed rule, and False while ``max_steps_duration`` is not > 0 (no step measured).
+    Stateless: True at every step inside the window. Used by the verl drop-in and the
+    simulator's ``verl`` policy."""
+    save_now, _budget = seed_rule(
+        remaining_seconds, max_steps_duration, save_ckpt_duration, redundant_time
+    )
+    return max_steps_duration > 0 and save_now
+
+
+def _check_count(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile: an actually observed value, never an interpolation."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class SavePolicy:
+    """When to save before the deadline, and when to stop.
+
+    Arguments (all seconds unless said otherwise):
+
+    - ``save_seconds``: the save time assumed until a save was measured (default 60).
+    - ``redundant_seconds``: safety margin for clock error, late notices and the
+      release itself (default 120).
+    - ``window``: how many recent steps the step estimate looks at (default 100).
+    - ``statistic``: "max" (default), "p95" or "p99" over that window. "max" is the safe
+      choice; a percentile ignores rare outliers (an evaluation step, a GC pause) at
+      the risk of being one slow step short.
+    - ``save_margin``: factor (>= 1) applied to the largest recent measured save.
+    - ``save_window``: how many recent measured saves count (default 5).
+
+    Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
+    so failing at construction is better than a wrong decision hours later.
+    """
+
+    save_seconds: float = DEFAULT_SAVE_SECONDS
+    redundant_seconds: float = DEFAULT_REDUNDANT_SECONDS
+    window: int = 100
+    statistic: str = "max"
+    save_margin: float = 1.2
+    save_window: int = 5
+
+    _steps: deque[float] = field(init=False, repr=False)
+    _saves: deque[float] = field(init=False, repr=False)
+    _cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
+    # The cover of the last save of any kind, until the next step (nothing unsaved).
+    _fresh_cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.save_seconds = check_seconds("save_seconds", self.save_seconds)
+        self.redundant_seconds = check_seconds("redundant_seconds", self.redundant_seconds)
+        self.window = _check_count("window", self.window)
+        self.save_window = _check_count("save_window", self.save_window)
+        if self.statistic not in STATISTICS:
+            raise ValueError(
+                f"statistic must be one of {', '.join(STATISTICS)}, got {self.statistic!r}"
+            )
+        margin = check_seconds("save_margin", self.save_margin)
+        if margin < 1.0:
+            raise ValueError(f"save_margin must be >= 1 (a factor), got {self.save_margin!r}")
+        self.save_margin = margin
+        self._steps = deque(maxlen=self.window)
+        self._saves = deque(maxlen=self.save_window)
+
+    # ------------------------------------------------------------------ measurements
+
+    def record_step(self, seconds: float) -> None:
+        """Add one measured training step (its duration, not counting saves).
+
+        Also ends the cover that the last save had only for having nothing unsaved after
+        it (see :meth:`record_save`).
+        """
+        self._steps.append(check_seconds("seconds", seconds))
+        self._fresh_cover_until_unix = None
+
+    def record_save(
+        self,
+        seconds: float,
+        *,
+        started_unix: float,
+        deadline_unix: Optional[float],
+        budget_seconds: Optional[float] = None,
+    ) -> None:
+        """Add one measured save that started at ``started_unix`` (wall clock).
+
+        ``deadline_unix``: the deadline known when the save started (None if none was
+        known); the guard passes the one its last "save now?" decision used. Required,
+        so that no caller forgets it and silently gets the wrong cover.
+
+        Every save is measured (it teaches the policy the save time). It also becomes the
+        final save, and covers deadlines, only when it could have been made for the
+        known deadline: ``deadline_unix`` is not None and ``deadline_unix <= started_unix
+        + budget``, the rule's own window. The checkpoint holds the training state of
+        ``started_unix``, so such a save covers every deadline up to ``started_unix +
+        budget``: saving again before such a deadline would not lose less work than the
+        rule accepts. A save made with no deadline known, or with the deadline still
+        outside the window (a routine save), covers nothing once training goes on: a
+        deadline learned later gets its own save, and the training done since the
+        routine save is kept (found by the simulator: ``sidecar+periodic-30`` missed on
+        spot notices). Until the next :meth:`record_step`, though, any save covers up to
+        ``started_unix + budget``: with nothing trained since, it is as fresh as a save
+        made now, so a deadline learned while it was written needs no second save.
+
+        The budget used is the largest of ``budget_seconds`` (the one the save decision
+        used, passed by the guard), the budget before this measurement and the budget
+        after it, so a save that turns out faster than assumed never shrinks the cover
+        below the decision that asked for it (which would re-arm at once and save twice).
+        """
+        seconds = check_seconds("seconds", seconds)
+        if not math.isfinite(started_unix):
+            raise ValueError(f"started_unix must be finite, got {started_unix!r}")
+        if deadline_unix is not None and not math.isfinite(deadline_unix):
+            raise ValueError(f"deadline_unix must be finite or None, got {deadline_unix!r}")
+        before = self._budget(self.step_estimate(), self.save_estimate())
+        self._saves.append(seconds)
+        after = self._budget(self.step_estimate(), self.save_estimate())
+        budget = max(before, after, budget_seconds or 0.0)
+        cover = started_unix + budget
+        self._fresh_cover_until_unix = cover
+        if deadline_unix is None or deadline_unix > cover:
+            return  # a routine save: not made for any deadline
+        # A later save never shrinks what an earlier one covers.
+        if self._cover_until_unix is None or cover > self._cover_until_unix:
+            self._cover_until_unix = cover
+
+    # ------------------------------------------------------------------ estimates
+
+    def step_estimate(self) -> Optional[float]:
+        """``T_max_step``: the chosen statistic over the window; None before any step."""
+        if not self._steps:
+            return None
+        return quantile(list(self._steps), STATISTICS[self.statistic])
+
+    def measured_save_estimate(self) -> Optional[float]:
+        """The largest of the recent measured saves times ``save_margin``; None if none."""
+        if not self._saves:
+            return None
+        return max(self._saves) * self.save_margin
+
+    def save_estimate(self) -> float:
+        """``T_save``: the configured value until a save was measured, then measured only.
+
+        Choice: once a save has been measured, the measurement replaces the configured
+        value, in both directions. The configured 60 s is a guess made before anything
+        was known; a save measured on this machine, this model and this storage is
+        better evidence, and keeping a too-large guess as a floor would start the final
+        save early and lose up to that much training for nothing. The margin (x1.2) and
+        taking the largest of the last ``save_window`` saves cover normal variation.
+        """
+        measured = self.measured_save_estimate()
+        return self.save_seconds if measured is None else measured
+
+    def covered_seconds(self, now_unix: float) -> Optional[float]:
+        """How far beyond ``now_unix`` the saves made for a deadline cover; None if none.
+
+        Routine saves (no deadline known, or it was outside their window) count only
+        until the next step (see :meth:`record_save`).
+
+        Negative when the cover ended in the past. Exposed so that the guard can reduce
+        it across ranks (the largest wins: any rank's save covers everyone).
+        """
+        covers = [c for c in (self._cover_until_unix, self._fresh_cover_until_unix)
+                  if c is not None]
+        if not covers:
+            return None
+        return max(covers) - now_unix
+
+    def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
+        return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
+
+    # ------------------------------------------------------------------ decisions
+
+    def evaluate(self, now_unix: float, deadline_unix: Optional[float]) -> PolicyDecision:
+        """Decide from this process's own measurements and an absolute deadline."""
+        remaining = None if deadline_unix is None else deadline_unix - now_unix
+        return self.decide(
+            remaining,
+            step_seconds=self.step_estimate(),
+            save_seconds=self.save_estimate(),
+            covered_seconds=self.covered_seconds(now_unix),
+        )
+
+    def decide(
+        self,
+        remaining_seconds: Optional[float],
+        *,
+        step_seconds: Optional[float],
+        save_seconds: float,
+        covered_seconds: Optional[float],
+    ) -> PolicyDecision:
+        """The rule from explicit inputs (the guard passes values reduced across ranks).
+
+        ``covered_seconds``: how far beyond now the saves made for a deadline cover (see
+        :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
+        ``remaining_seconds <= covered_seconds``; a deadline moved later than that
+        re-arms it. A deadline brought earlier stays covered.
+        """
+        budget = None if step_seconds is None else self._budget(step_seconds, save_seconds)
+
+        def decision(save_now: bool, stop: bool, reason: str) -> PolicyDecision:
+            return PolicyDecision(
+                save_now=save_now,
+                stop=stop,
+                remaining_seconds=remaining_seconds,
+                budget_seconds=budget,
+                step_seconds=step_seconds,
+                save_seconds=save_seconds,
+                reason=reason,
+            )
+
+        if remaining_seconds is None:
+            return decision(False, False, "no deadline known")
+        covered = covered_seconds is not None and remaining_seconds <= covered_seconds
+        if covered:
+            # The save already made is as good as any the rule would ask for now, and no
+            # further step can be saved in time: stop.
+            return decision(False, True, "saved for this deadline; stop")
+        if remaining_seconds <= 0:
+            return decision(False, False, "deadline passed")
+        if step_seconds is None:
+            return decision(False, False, "no step measured yet")
+        if seed_rule(remaining_seconds, step_seconds, save_seconds, self.redundant_seconds)[0]:
+            return decision(
+                True,
+                False,
+                f"remaining {remaining_seconds:.1f} s <= budget {budget:.1f} s: save now",
+            )
+        return decision(
+            False, False, f"remaining {remaining_seconds:.1f} s > budget {budget:.1f} s"
+        )
