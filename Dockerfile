@@ -1,6 +1,7 @@
 # esi-sidecar daemon image: `esi-sidecar serve` with the [server] extra only.
 #
 #   docker build -t esi-sidecar:0.1.0 .
+#   docker build --build-arg UPLOAD=1 -t esi-sidecar:0.1.0-upload .   # + the uploader
 #   docker run -d --name esi-sidecar --network host \
 #     --env-file /etc/esi-sidecar/esi-sidecar.env -e ESI_SIDECAR_LISTEN=127.0.0.1:8791 \
 #     esi-sidecar:0.1.0
@@ -9,17 +10,22 @@
 # image is for hosts that run everything in containers, and for Kubernetes
 # (deploy/kubernetes/daemonset.yaml).
 ARG PYTHON_IMAGE=python:3.11-slim
+# 1: also the [upload] extra (boto3, watchdog) for the checkpoint uploader.
+ARG UPLOAD=0
 
 # ---- builder: the venv, made by the same command as a host install --------------------
 FROM ${PYTHON_IMAGE} AS builder
+ARG UPLOAD
 WORKDIR /src
 COPY pyproject.toml README.md install.sh ./
 COPY sidecar ./sidecar
 COPY deploy ./deploy
 # install.sh --venv-only: `python3 -m venv /opt/esi-sidecar` then
-# `pip install '.[server]'`, exactly as on a host and in tests/test_deploy.py.
+# `pip install '.[server]'` (with --upload: '.[server,upload]'), exactly as on a host and
+# in tests/test_deploy.py.
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN ./install.sh --venv-only --prefix /opt/esi-sidecar
+RUN if [ "$UPLOAD" = 1 ]; then set -- --upload; fi; \
+    ./install.sh --venv-only --prefix /opt/esi-sidecar "$@"
 
 # ---- final: the venv on the same Python base, a non-root user, nothing else ----------
 # (The venv's bin/python links to /usr/local/bin/python3 of the same base image.)

@@ -19,7 +19,7 @@ $(ALL): $(SERVER)
 	# torch 2.13.0 first: on these machines pip takes its CPU build from local disk, so the
 	# framework extras find torch installed and do not pull a CUDA build.
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[server,test,frameworks,simulate,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[server,upload,test,frameworks,simulate,dev]"
 	touch $(ALL)
 
 demo: $(SERVER)

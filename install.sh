@@ -22,7 +22,8 @@ usage() {
 	cat <<'EOF'
 Usage: sudo ./install.sh [OPTIONS]
 
-Install esi-sidecar as a systemd service: a venv under --prefix with esi-sidecar[server],
+Install esi-sidecar as a systemd service: a venv under --prefix with esi-sidecar[server]
+(plus [upload] with --upload),
 /etc/esi-sidecar/esi-sidecar.env (mode 0600) and /etc/systemd/system/esi-sidecar.service,
 then `systemctl enable --now` when systemd runs. Running it again changes nothing.
 
@@ -31,6 +32,8 @@ What to install (default: the checkout this script sits in):
   --version X            install esi-sidecar[server]==X from the package index
   --prefix DIR           venv location (default /opt/esi-sidecar)
   --python PATH          interpreter for the venv, 3.9 or newer (default python3)
+  --upload               also the [upload] extra (boto3, watchdog) for the checkpoint
+                         uploader; on by itself when ESI_SIDECAR_UPLOAD_TO is set
   --pip-args "ARGS"      extra arguments for pip install, e.g. "--index-url URL";
                          PIP_* variables work too
 
@@ -85,6 +88,7 @@ force_env=0
 uninstall=0
 purge=0
 venv_only=0
+extras=server
 no_start=0
 access_key=${VOLCENGINE_ACCESS_KEY:-}
 secret_key=${VOLCENGINE_SECRET_KEY:-}
@@ -163,6 +167,7 @@ while (($#)); do
 	--uninstall) uninstall=1 ;;
 	--purge) purge=1 ;;
 	--venv-only) venv_only=1 ;;
+	--upload) extras=server,upload ;;
 	--no-start) no_start=1 ;;
 	--dry-run) dry_run=1 ;;
 	-h | --help)
@@ -175,6 +180,9 @@ done
 
 if ((purge)) && ! ((uninstall)); then
 	usage_error "--purge goes with --uninstall"
+fi
+if [[ -n ${settings[ESI_SIDECAR_UPLOAD_TO]+x} ]]; then
+	extras=server,upload # an uploader is configured: it needs boto3 and watchdog
 fi
 if [[ -n $wheel && -n $version ]]; then
 	usage_error "--wheel and --version exclude each other"
@@ -343,9 +351,10 @@ print(os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 # whether pip has anything to do.
 install_source() {
 	if [[ -n $wheel ]]; then
-		printf 'wheel %s sha256:%s' "$(basename "$wheel")" "$(sha256sum <"$wheel" | cut -d' ' -f1)"
+		printf 'wheel %s[%s] sha256:%s' "$(basename "$wheel")" "$extras" \
+			"$(sha256sum <"$wheel" | cut -d' ' -f1)"
 	elif [[ -n $version ]]; then
-		printf 'index esi-sidecar[server]==%s' "$version"
+		printf 'index esi-sidecar[%s]==%s' "$extras" "$version"
 	elif [[ -n $src_dir ]]; then
 		# The files that make the package: a changed checkout reinstalls, an unchanged one
 		# does not (build/ and *.egg-info are outputs, not inputs).
@@ -353,9 +362,9 @@ install_source() {
 		digest=$(cd "$src_dir" && find pyproject.toml README.md sidecar -type f \
 			! -path '*/__pycache__/*' ! -name '*.pyc' 2>/dev/null | LC_ALL=C sort |
 			xargs -d '\n' sha256sum | sha256sum | cut -d' ' -f1)
-		printf 'checkout %s sha256:%s' "$src_dir" "$digest"
+		printf 'checkout %s[%s] sha256:%s' "$src_dir" "$extras" "$digest"
 	else
-		printf 'index esi-sidecar[server] (latest)'
+		printf 'index esi-sidecar[%s] (latest)' "$extras"
 	fi
 	if ((${#pip_args[@]})); then
 		printf ' pip-args:%s' "${pip_args[*]}"
@@ -364,13 +373,13 @@ install_source() {
 
 install_spec() {
 	if [[ -n $wheel ]]; then
-		printf '%s[server]' "$wheel"
+		printf '%s[%s]' "$wheel" "$extras"
 	elif [[ -n $version ]]; then
-		printf 'esi-sidecar[server]==%s' "$version"
+		printf 'esi-sidecar[%s]==%s' "$extras" "$version"
 	elif [[ -n $src_dir ]]; then
-		printf '%s[server]' "$src_dir"
+		printf '%s[%s]' "$src_dir" "$extras"
 	else
-		printf 'esi-sidecar[server]'
+		printf 'esi-sidecar[%s]' "$extras"
 	fi
 }
 
@@ -397,9 +406,13 @@ install_venv() {
 	if ((dry_run)); then
 		return 0
 	fi
-	if ! "$venv/bin/python" -c 'import fastapi, uvicorn, sidecar.host.daemon' 2>"$work/import.err"; then
+	local imports='import fastapi, uvicorn, sidecar.host.daemon'
+	if [[ $extras == *upload* ]]; then
+		imports+=', boto3, watchdog, sidecar.host.upload.uploader'
+	fi
+	if ! "$venv/bin/python" -c "$imports" 2>"$work/import.err"; then
 		cat "$work/import.err" >&2
-		die 1 "the venv lacks the [server] extra after pip install (see above)"
+		die 1 "the venv lacks the [$extras] extras after pip install (see above)"
 	fi
 	printf '%s\n' "$source" >"$stamp"
 	say "installed: $("$venv/bin/esi-sidecar" --version) in $venv"

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from sidecar import __version__
-from sidecar.host.settings import RESTORE_FLAGS, add_arguments, parse_address
 from sidecar.models import Expiry
 from sidecar.train.client import DEFAULT_URL, ENV_URL, SidecarClient
 from sidecar.train.policy import DEFAULT_REDUNDANT_SECONDS, DEFAULT_SAVE_SECONDS, seed_rule
@@ -175,6 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_emulate(args: argparse.Namespace) -> int:
     try:
+        from sidecar.host.settings import parse_address  # standard library only
+
         host, port = parse_address(args.listen)
     except ValueError as exc:
         print(f"esi-sidecar emulate: invalid --listen {args.listen!r}: {exc}", file=sys.stderr)
@@ -283,6 +284,9 @@ def _timeout(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The settings table (standard library only) defines serve's and restore's flags.
+    from sidecar.host.settings import RESTORE_FLAGS, add_arguments
+
     parser = argparse.ArgumentParser(
         prog="esi-sidecar",
         description="Know when this reclaimable GPU machine will be released, and save the "
@@ -298,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Poll the deadline sources and serve /v1/expiry, /v1/decision, /healthz "
         "and /metrics. Every flag has an ESI_SIDECAR_* variable; the flag wins.",
     )
-    add_arguments(serve)  # the settings table lives in sidecar.host.settings (stdlib only)
+    add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     def client_options(sub: argparse.ArgumentParser, timeout: float = 2.0) -> None:
@@ -387,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("-v", "--verbose", action="store_true", help="log progress")
     restore.set_defaults(func=cmd_restore)
 
-    from sidecar.tools.demo import add_demo_command
-    from sidecar.tools.simulate import add_simulate_command
+    from sidecar.tools.demo.run import add_demo_command
+    from sidecar.tools.simulate.command import add_simulate_command
 
     add_demo_command(commands)
     add_simulate_command(commands)

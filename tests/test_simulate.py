@@ -8,18 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.tools.simulate import (
-    POLICIES,
-    WORKLOADS,
-    PolicyFactory,
-    Workload,
-    add_simulate_command,
-    run,
-    simulate_run,
-)
-from sidecar.tools.simulate.policies import SidecarPolicy, VerlPolicy
+from sidecar.tools.simulate.command import add_simulate_command
+from sidecar.tools.simulate.engine import run, simulate_run
+from sidecar.tools.simulate.policies import POLICIES, PolicyFactory, SidecarPolicy, VerlPolicy
 from sidecar.tools.simulate.report import INFEASIBLE, render_table
-from sidecar.tools.simulate.workloads import DeadlineChange
+from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload
 from sidecar.train.policy import SavePolicy
 
 REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]

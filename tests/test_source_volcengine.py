@@ -15,7 +15,8 @@ import urllib3
 import volcenginesdkcore
 import volcenginesdkecs
 
-from sidecar.host.sources import Source, SourceError, create_source
+from sidecar.host.sources.base import Source, SourceError
+from sidecar.host.sources.registry import create_source
 from sidecar.host.sources.volcengine import VolcengineEsiSource, from_settings
 from sidecar.models import KIND_SCHEDULED_RELEASE
 from sidecar.tools.emulator import Emulator

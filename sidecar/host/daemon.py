@@ -24,7 +24,7 @@ from sidecar.host.api import create_app
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
 from sidecar.host.settings import Settings, storage_options
-from sidecar.host.sources import create_source
+from sidecar.host.sources.registry import create_source
 from sidecar.host.store import Store
 
 __all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]

@@ -115,7 +115,7 @@ def _addresses(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def _source_names(text: str) -> tuple[str, ...]:
-    from sidecar.host.sources import canonical_name
+    from sidecar.host.sources.registry import canonical_name
 
     names = [part for part in text.split(",") if part.strip()]
     if not names:

@@ -1,7 +1,8 @@
 """The Source protocol: poll once, return what was seen, or raise SourceError.
 
-A source never schedules, retries or sleeps: ``sidecar.host.poller`` owns the schedule, the
-backoff and the staleness. One module per source; ``sidecar.host.sources`` maps names to them.
+A source never schedules, retries or sleeps: ``sidecar.host.poller`` owns the schedule,
+the backoff and the staleness. One module per source; ``sidecar.host.sources.registry``
+maps names to them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,34 @@
+"""Deadline sources by name: a source's module is imported only when it is chosen,
+so the ``env`` and ``static`` sources work without the Volcengine SDK installed."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from sidecar.host.sources.base import Source
+
+__all__ = ["SOURCES", "canonical_name", "create_source"]
+
+# name -> "module:factory"; each factory takes the daemon Settings and returns a Source.
+SOURCES: dict[str, str] = {
+    "volcengine-esi": "sidecar.host.sources.volcengine:from_settings",
+    "env": "sidecar.host.sources.env:from_settings",
+    "static": "sidecar.host.sources.static:from_settings",
+}
+ALIASES: dict[str, str] = {"volcengine": "volcengine-esi", "esi": "volcengine-esi"}
+
+
+def canonical_name(name: str) -> str:
+    name = name.strip().lower()
+    name = ALIASES.get(name, name)
+    if name not in SOURCES:
+        raise ValueError(f"unknown source {name!r}; choose from {', '.join(sorted(SOURCES))}")
+    return name
+
+
+def create_source(name: str, settings: Any) -> Source:
+    """Import the chosen source's module and build it from the daemon settings."""
+    module_name, _, attr = SOURCES[canonical_name(name)].partition(":")
+    factory: Callable[[Any], Source] = getattr(importlib.import_module(module_name), attr)
+    return factory(settings)

@@ -1,0 +1,279 @@
+"""The tree's import rules (docs/architecture.md, "Import rules"), read from the source.
+
+Every ``import`` in ``sidecar/`` is found with ``ast``, the lazy ones inside functions
+and under ``TYPE_CHECKING`` too, so a rule broken only on a rarely taken path still
+fails here. The runtime side of the same promise (the public API imports in a bare
+environment) is ``tests/test_client_stdlib_only.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "sidecar"
+STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
+# The one framework each integration may import (lazily; checked by another test).
+FRAMEWORKS = {
+    "sidecar.integrations.distributed": {"torch"},
+    "sidecar.integrations.lightning": {"torch", "lightning", "pytorch_lightning"},
+    "sidecar.integrations.transformers": {"torch", "transformers"},
+    "sidecar.integrations.verl": {"verl", "ray"},
+}
+SHARED = ("sidecar.models", "sidecar.timeparse")
+HOST_SOURCE_NEEDS = ("sidecar.host.sources", *SHARED)
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # the imported module (a submodule when ``from pkg import sub`` names one)
+    names: tuple[str, ...]  # the names taken by ``from ... import``
+    top_level: bool  # run when the module loads (not inside a function)
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    base = PACKAGE_ROOT.parent.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def _imports(module: str, path: Path) -> list[Import]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, top_level: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = top_level and not isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    found.append(Import(module, alias.name, (), top_level, child.lineno))
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0, f"{module}:{child.lineno}: relative import"
+                base = child.module or ""
+                names = tuple(alias.name for alias in child.names)
+                submodules = [f"{base}.{n}" for n in names if _is_module(f"{base}.{n}")]
+                for target in submodules or [base]:
+                    found.append(Import(module, target, names, top_level, child.lineno))
+            visit(child, nested)
+
+    visit(tree, True)
+    return found
+
+
+IMPORTS = [found for module, path in MODULES.items() for found in _imports(module, path)]
+
+
+def _project(name: str) -> bool:
+    return name == "sidecar" or name.startswith("sidecar.")
+
+
+def _in(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _where(found: Import) -> str:
+    return f"{found.module}:{found.line} imports {found.target}"
+
+
+def test_the_tree_has_the_three_sides() -> None:
+    for package in ("sidecar.train", "sidecar.host", "sidecar.tools", "sidecar.integrations"):
+        assert package in MODULES, package
+    flat = sorted(m for m in MODULES if m.count(".") == 1 and not _is_package(m))
+    # Beside the three groups only the shared modules and the entry point live at the top.
+    assert flat == ["sidecar.cli", "sidecar.models", "sidecar.timeparse"]
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def test_shared_modules_import_nothing_from_the_project() -> None:
+    broken = [_where(i) for i in IMPORTS if i.module in SHARED and _project(i.target)]
+    assert broken == []
+
+
+# Restoring a checkpoint's NumPy / torch RNG state needs that library, imported only when
+# the checkpoint holds its state (and the program could save it, so it is installed).
+RNG_RESTORE = {("sidecar.train.rng", "numpy"), ("sidecar.train.rng", "torch")}
+
+
+def test_training_side_is_standard_library_and_training_side_only() -> None:
+    allowed = ("sidecar.train", *SHARED)
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if _in(i.module, "sidecar.train") or i.module == "sidecar"
+        if not (_in(i.target, *allowed) or i.target.split(".")[0] in STDLIB)
+        if not ((i.module, i.target) in RNG_RESTORE and not i.top_level)
+    ]
+    assert broken == []
+
+
+def test_integrations_import_the_training_side_and_their_framework_only() -> None:
+    broken = []
+    for found in IMPORTS:
+        if not _in(found.module, "sidecar.integrations"):
+            continue
+        top = found.target.split(".")[0]
+        if _in(found.target, "sidecar.train", "sidecar.integrations", *SHARED) or top in STDLIB:
+            continue
+        if top in FRAMEWORKS.get(found.module, set()) and not found.top_level:
+            continue  # its own framework, imported lazily
+        broken.append(_where(found))
+    assert broken == []
+
+
+def test_nothing_outside_the_host_side_imports_it() -> None:
+    # The CLI (lazily) and the tools (the demo starts a daemon) are the exceptions.
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if _in(i.target, "sidecar.host")
+        and not _in(i.module, "sidecar.host", "sidecar.tools")
+        and not (i.module == "sidecar.cli" and not i.top_level)
+    ]
+    assert broken == []
+
+
+def test_host_side_never_imports_tools_integrations_or_the_cli() -> None:
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if _in(i.module, "sidecar.host")
+        and _in(i.target, "sidecar.tools", "sidecar.integrations", "sidecar.cli")
+    ]
+    assert broken == []
+
+
+def test_inside_the_host_side_data_flows_one_way() -> None:
+    broken = []
+    for found in IMPORTS:
+        source = _in(found.module, "sidecar.host.sources")
+        if source and _project(found.target) and not _in(found.target, *HOST_SOURCE_NEEDS):
+            broken.append(_where(found))  # a source needs only models and timeparse
+        if found.module == "sidecar.host.api" and _in(found.target, "sidecar.host.sources"):
+            broken.append(_where(found))  # the API reads the store, never a source
+        polls = found.module == "sidecar.host.poller"
+        if polls and _in(found.target, "sidecar.host.sources") and not found.target.endswith(
+            ".base"
+        ):
+            broken.append(_where(found))
+    assert broken == []
+
+
+def test_only_the_wiring_picks_sources_and_builds_the_uploader() -> None:
+    wiring = {"sidecar.host.daemon", "sidecar.host.settings", "sidecar.cli"}
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if i.target in ("sidecar.host.sources.registry", "uvicorn")
+        and i.module not in wiring
+    ]
+    uploader = [
+        _where(i)
+        for i in IMPORTS
+        if _in(i.module, "sidecar.host.upload") and i.target == "sidecar.host.settings"
+        and "Settings" in i.names
+    ]
+    assert broken == [] and uploader == []
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    broken = [
+        f"{_where(i)} ({name})"
+        for i in IMPORTS
+        if _project(i.target) and i.target != i.module
+        for name in i.names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert broken == []
+
+
+def test_no_lazy_re_exports() -> None:
+    """A module-level ``__getattr__`` that hands out another module's names hides a cycle."""
+    broken = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                lazy = [i for i in _imports(module, path) if i.line > node.lineno
+                        and i.line <= (node.end_lineno or node.lineno) and _project(i.target)]
+                if lazy:
+                    broken.append(f"{module}:{node.lineno}")
+    assert broken == []
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state:
+                found = walk(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = walk(node)
+            if found:
+                return found
+    return []
+
+
+def _owner(target: str) -> str:
+    """The module that runs for an import: the target itself, else its package."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = {}
+    for found in IMPORTS:
+        owner = _owner(found.target)
+        if owner and owner != found.module and not _in(found.module, owner):
+            graph.setdefault(found.module, set()).add(owner)
+    assert _cycle(graph) == []
+
+
+@pytest.mark.parametrize(
+    "graph, cycle",
+    [
+        ({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], cycle: list[str]) -> None:
+    assert _cycle(graph) == cycle
+
+
+def test_the_import_reader_sees_lazy_imports() -> None:
+    # sidecar.cli imports the daemon inside a function: the reader must see it as lazy.
+    lazy = [i for i in IMPORTS if i.module == "sidecar.cli" and i.target == "sidecar.host.daemon"]
+    assert lazy and not any(i.top_level for i in lazy)
