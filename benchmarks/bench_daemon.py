@@ -615,13 +615,18 @@ def _own_source_size() -> int:
 
 def install_sizes() -> dict[str, Any]:
     closure, missing = dependency_closure("esi-sidecar", ["server"])
+    upload_closure, upload_missing = dependency_closure("esi-sidecar", ["server", "upload"])
     base_closure, _ = dependency_closure("esi-sidecar")
     sizes = {key: _dist_size(dist) for key, dist in closure.items()}
+    upload_sizes = {key: _dist_size(dist) for key, dist in upload_closure.items()}
     versions = {key: dist.version for key, dist in closure.items()}
     return {
         "own_bytes": _own_source_size(),
         "base_dependencies": len(base_closure),
         "server_dependency_bytes": sum(sizes.values()),
+        "upload_dependencies": len(upload_sizes),
+        "upload_dependency_bytes": sum(upload_sizes.values()),
+        "upload_missing": upload_missing,
         "sizes": sizes,
         "versions": versions,
         "missing": missing,
@@ -666,11 +671,14 @@ def main_footprint(quick: bool = False) -> dict[str, Any]:
     own_mb = sizes["own_bytes"] / 1e6
     dependency_mb = sizes["server_dependency_bytes"] / 1e6
     server_mb = own_mb + dependency_mb
+    upload_mb = own_mb + sizes["upload_dependency_bytes"] / 1e6
     size_rows = [
         ["`esi-sidecar` (base, 0 dependencies)", str(sizes["base_dependencies"]),
          _fmt(own_mb, 2), "1.00"],
         ["`esi-sidecar[server]` (itself + the closure below)", str(len(sizes["sizes"])),
          _fmt(server_mb, 1), f"{server_mb / own_mb:.0f}"],
+        ["`esi-sidecar[server,upload]` (+ boto3, watchdog: the checkpoint uploader)",
+         str(sizes["upload_dependencies"]), _fmt(upload_mb, 1), f"{upload_mb / own_mb:.0f}"],
         ["`volcengine-python-sdk` (all services; not installed, for context)", "",
          f"~{ALL_SERVICES_SDK_MB}", f"~{ALL_SERVICES_SDK_MB / own_mb:.0f}"],
     ]
