@@ -10,8 +10,8 @@
 # image is for hosts that run everything in containers, and for Kubernetes
 # (deploy/kubernetes/daemonset.yaml).
 ARG PYTHON_IMAGE=python:3.11-slim
-# 1: also the [upload] extra (boto3, watchdog) for the checkpoint uploader.
-ARG UPLOAD=0
+# Set (e.g. UPLOAD=1): also the [upload] extra (boto3, watchdog) for the checkpoint uploader.
+ARG UPLOAD=
 
 # ---- builder: the venv, made by the same command as a host install --------------------
 FROM ${PYTHON_IMAGE} AS builder
@@ -24,8 +24,7 @@ COPY deploy ./deploy
 # `pip install '.[server]'` (with --upload: '.[server,upload]'), exactly as on a host and
 # in tests/test_deploy.py.
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN if [ "$UPLOAD" = 1 ]; then set -- --upload; fi; \
-    ./install.sh --venv-only --prefix /opt/esi-sidecar "$@"
+RUN ./install.sh --venv-only --prefix /opt/esi-sidecar ${UPLOAD:+--upload}
 
 # ---- final: the venv on the same Python base, a non-root user, nothing else ----------
 # (The venv's bin/python links to /usr/local/bin/python3 of the same base image.)

@@ -318,6 +318,21 @@ def test_dry_run_changes_nothing_and_masks_secrets(staged: Staged, tmp_path: Pat
     assert snapshot(staged.root) == before
 
 
+def test_the_upload_extra_is_installed_on_request(tmp_path: Path) -> None:
+    """[server] alone by default; [server,upload] with --upload or an upload destination."""
+    def pip_line(*args: str, **env: str) -> str:
+        root = tmp_path / f"root{len(list(tmp_path.iterdir()))}"
+        root.mkdir()
+        result = run_install("--root", str(root), "--dry-run", *args, env=clean_environ(**env))
+        assert result.returncode == 0, result.stderr
+        return next(line for line in result.stdout.splitlines() if " -m pip install " in line)
+
+    assert pip_line().endswith("[server]")
+    assert pip_line("--upload").endswith("[server,upload]")
+    assert pip_line("--set", "ESI_SIDECAR_UPLOAD_TO=s3://bucket/run").endswith("[server,upload]")
+    assert pip_line(ESI_SIDECAR_UPLOAD_TO="s3://bucket/run").endswith("[server,upload]")
+
+
 def test_venv_only_installs_no_env_file_and_no_unit(tmp_path: Path) -> None:
     checkout = copy_checkout(tmp_path / "checkout")
     root = tmp_path / "root"
