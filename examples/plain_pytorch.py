@@ -37,7 +37,7 @@ def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
         with guard.step():  # times the step: the policy's T_max_step
             model.train_step()
         if guard.should_save():  # once, when the deadline is near
-            with guard.saving(), atomic_checkpoint(root, step) as folder:  # times T_save
+            with guard.saving(step), atomic_checkpoint(root, step) as folder:  # times T_save
                 model.save(folder, step)
         if guard.should_stop():  # saved; another step could not be saved in time
             logging.info("stopping at step %d: %s", step, guard.status().reason)

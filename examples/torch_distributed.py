@@ -107,7 +107,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             train_step(ddp, optimizer, step, rank)
         step += 1
         if guard.should_save():  # collective: every rank calls it, every rank agrees
-            with guard.saving():  # times the save (the slowest rank's time wins)
+            with guard.saving(step):  # timed; the slowest rank's time wins
                 if rank == 0:
                     with atomic_checkpoint(args.output, step, keep_last=2) as folder:
                         torch.save({"model": model.state_dict(),

@@ -90,6 +90,11 @@ class Expiry:
     server_time_unix: float
     # Set when the deadline came without a UTC offset and was read in this zone.
     assumed_timezone: Optional[str] = None
+    # With the checkpoint uploader: how long the next checkpoint takes to become durable
+    # once saved locally (None: unknown yet), and the uploader's state ("ok", "uploading",
+    # "degraded"). Both None on a daemon that does not upload: a local save is durable.
+    upload_seconds: Optional[float] = None
+    upload_status: Optional[str] = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,6 +119,8 @@ class Expiry:
             error=_text(body, "error"),
             server_time_unix=server_time,
             assumed_timezone=_text(body, "assumed_timezone"),
+            upload_seconds=_number(body, "upload_seconds"),
+            upload_status=_text(body, "upload_status"),
         )
 
 
@@ -126,6 +133,8 @@ class Decision:
     budget_seconds: float
     expires_at: Optional[str]
     stale: bool
+    # The uploader's estimate included in the budget (None: this daemon does not upload).
+    upload_seconds: Optional[float] = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,5 +151,6 @@ class Decision:
             budget_seconds=budget,
             expires_at=_text(body, "expires_at"),
             stale=_flag(body, "stale"),
+            upload_seconds=_number(body, "upload_seconds"),
         )
 

@@ -69,6 +69,7 @@ def main(config: dict[str, Any]) -> None:
         -1.0 if rank == 0 else float(rank),
         -1.0,
         7.0 if rank == last else float("-inf"),
+        30.0 if rank == 0 else -1.0,  # one node's uploader knows its upload time
     )
 
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ from sidecar.train.guard import (
     UNKNOWN_REMAINING,
     UNKNOWN_SAVE,
     UNKNOWN_STEP,
+    UNKNOWN_UPLOAD,
     CheckpointGuard,
     Reducer,
 )
@@ -964,15 +965,15 @@ class ThreadAllReduce:
 
     def __init__(self, world_size: int) -> None:
         self.barrier = threading.Barrier(world_size, timeout=10)
-        self.slots: list[tuple[float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0)] * world_size
+        self.slots: list[tuple[float, ...]] = [(0.0,) * 5] * world_size
         self.calls = [0] * world_size
 
     def for_rank(self, rank: int) -> Reducer:
         def reduce(
-            remaining: float, step: float, save: float, covered: float
-        ) -> tuple[float, float, float, float]:
+            remaining: float, step: float, save: float, covered: float, upload: float
+        ) -> tuple[float, float, float, float, float]:
             self.calls[rank] += 1
-            self.slots[rank] = (remaining, step, save, covered)
+            self.slots[rank] = (remaining, step, save, covered, upload)
             self.barrier.wait()
             values = list(self.slots)
             self.barrier.wait()  # nobody overwrites a slot before everyone has read
@@ -981,6 +982,7 @@ class ThreadAllReduce:
                 max(v[1] for v in values),
                 max(v[2] for v in values),
                 max(v[3] for v in values),
+                max(v[4] for v in values),
             )
 
         return reduce
@@ -1038,17 +1040,18 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
 
 
 def test_reducer_sentinels_for_unknown_values() -> None:
-    seen: list[tuple[float, float, float, float]] = []
+    seen: list[tuple[float, float, float, float, float]] = []
 
     def record(
-        remaining: float, step: float, save: float, covered: float
-    ) -> tuple[float, float, float, float]:
-        seen.append((remaining, step, save, covered))
-        return remaining, step, save, covered
+        remaining: float, step: float, save: float, covered: float, upload: float
+    ) -> tuple[float, float, float, float, float]:
+        seen.append((remaining, step, save, covered, upload))
+        return remaining, step, save, covered, upload
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
-    assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED)]
+    assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
+                     UNKNOWN_UPLOAD)]
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -1058,9 +1061,10 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
     def peer_knows(
-        remaining: float, step: float, save: float, covered: float
-    ) -> tuple[float, float, float, float]:
-        return min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9)
+        remaining: float, step: float, save: float, covered: float, upload: float
+    ) -> tuple[float, float, float, float, float]:
+        return (min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
+                upload)
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True

@@ -119,9 +119,10 @@ def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -
     assert all(r["distributed"] for r in results)
 
     # The reducer alone: MIN remaining (rank 1's "unknown" +inf loses), MAX step (rank 0's
-    # "unknown" -1 loses), save unknown everywhere stays -1, one rank's cover wins.
+    # "unknown" -1 loses), save unknown everywhere stays -1, one rank's cover wins, the
+    # one node's upload estimate wins over the others' "no uploader" -1.
     for r in results:
-        assert r["probe"] == [100.0, float(world_size - 1), -1.0, 7.0]
+        assert r["probe"] == [100.0, float(world_size - 1), -1.0, 7.0, 30.0]
 
     # Every rank saved exactly once, at the same step, and all ranks were inside the
     # collective save together (the token summed to the world size).
@@ -176,14 +177,15 @@ def test_reducer_in_one_process_group(tmp_path: Path) -> None:
     try:
         reducer = reducer_if_distributed()
         assert isinstance(reducer, TorchReducer)
-        assert reducer(float("inf"), -1.0, -1.0, float("-inf")) == (
+        assert reducer(float("inf"), -1.0, -1.0, float("-inf"), -1.0) == (
             float("inf"),
             -1.0,
             -1.0,
             float("-inf"),
+            -1.0,
         )
         large = 4.0e9 + 0.25  # float64: a Unix-scale number survives exactly
-        assert reducer(large, 3.5, 61.0, -2.0) == (large, 3.5, 61.0, -2.0)
+        assert reducer(large, 3.5, 61.0, -2.0, 12.5) == (large, 3.5, 61.0, -2.0, 12.5)
         assert isinstance(distributed_guard()._reducer, TorchReducer)
     finally:
         dist.destroy_process_group()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from typing import Any, Callable, Optional, Protocol
 
 from fastapi import FastAPI, Query, Request
@@ -31,7 +32,7 @@ from sidecar.host.store import Store, build_expiry, build_health
 from sidecar.models import Decision, Expiry
 from sidecar.train.policy import DEFAULT_REDUNDANT_SECONDS, DEFAULT_SAVE_SECONDS, seed_rule
 
-__all__ = ["UploadsView", "create_app"]
+__all__ = ["UploadsView", "create_app", "current_expiry"]
 
 
 class UploadsView(Protocol):
@@ -43,6 +44,18 @@ class UploadsView(Protocol):
     def summary(self, now: Optional[float] = None) -> dict[str, Any]: ...
 
     def collect(self) -> list[Metric]: ...
+
+    def durability(self) -> tuple[Optional[float], str]: ...
+
+
+def current_expiry(store: Store, uploads: Optional[UploadsView], now: float) -> Expiry:
+    """The ``/v1/expiry`` body: the store's deadline, and the uploader's durability
+    estimate when this daemon uploads checkpoints."""
+    expiry = store.expiry(now)
+    if uploads is None:
+        return expiry
+    upload_seconds, status = uploads.durability()
+    return replace(expiry, upload_seconds=upload_seconds, upload_status=status)
 
 
 class HealthBody(BaseModel):
@@ -105,7 +118,7 @@ def create_app(
 
     @app.get("/v1/expiry", response_model=Expiry, summary="The earliest known deadline")
     async def expiry() -> Response:
-        return _json(store.expiry(clock()).to_json())
+        return _json(current_expiry(store, uploads, clock()).to_json())
 
     @app.get("/v1/decision", response_model=Decision, summary="Save now? (the seed rule)")
     async def decision(
@@ -113,9 +126,11 @@ def create_app(
         save_seconds: float = _seconds("time one save takes, seconds", DEFAULT_SAVE_SECONDS),
         redundant_seconds: float = _seconds("safety margin, seconds", DEFAULT_REDUNDANT_SECONDS),
     ) -> Response:
-        current = store.expiry(clock())
+        current = current_expiry(store, uploads, clock())
+        # With the uploader, a save counts once it is durable: local save + upload.
+        durable_save = save_seconds + (current.upload_seconds or 0.0)
         save_now, budget = seed_rule(
-            current.remaining_seconds, step_seconds, save_seconds, redundant_seconds
+            current.remaining_seconds, step_seconds, durable_save, redundant_seconds
         )
         return _json(
             {
@@ -124,6 +139,7 @@ def create_app(
                 "budget_seconds": budget,
                 "expires_at": current.expires_at,
                 "stale": current.stale,
+                "upload_seconds": current.upload_seconds,
             }
         )
 
@@ -166,7 +182,7 @@ def create_app(
                           "last_durable_step": None, "checkpoints": []})
         return _json(uploads.body(clock(), limit))
 
-    app.add_middleware(_ExpiryFastPath, store=store, clock=clock)
+    app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock)
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(store, clock))
@@ -185,16 +201,18 @@ class _ExpiryFastPath:
     may ask every step, and the router and dependency machinery cost more than the answer.
     The body is exactly what the routed handler returns (tests compare both)."""
 
-    def __init__(self, app: Any, store: Store, clock: Callable[[], float]) -> None:
+    def __init__(self, app: Any, store: Store, uploads: Optional[UploadsView],
+                 clock: Callable[[], float]) -> None:
         self.app = app
         self.store = store
+        self.uploads = uploads
         self.clock = clock
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/expiry" and (
             scope["method"] == "GET"
         ):
-            body = _encode(self.store.expiry(self.clock()).to_json())
+            body = _encode(current_expiry(self.store, self.uploads, self.clock()).to_json())
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

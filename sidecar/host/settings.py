@@ -70,6 +70,7 @@ class Settings:
     upload_near_release: float = 600.0
     upload_scan_interval: float = 5.0
     upload_addressing_style: str = "auto"
+    upload_max_bandwidth: Optional[int] = None  # bytes per second; None: no cap
 
     @property
     def effective_stale_after(self) -> float:
@@ -148,14 +149,30 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**
                "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
 
 
-def _part_size(text: str) -> int:
-    """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
+def _size(text: str, example: str) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text.strip().lower().replace(" ", ""))
     if match is None or match.group(2) not in _SIZE_UNITS:
-        raise ValueError("expected a size such as 64MiB, 8MB or 16777216")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+        raise ValueError(f"expected {example}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+def _part_size(text: str) -> int:
+    """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
+    value = _size(text, "a size such as 64MiB, 8MB or 16777216")
     if not (5 << 20) <= value <= (5 << 30):
         raise ValueError("must be between 5MiB and 5GiB (the S3 limits for one part)")
+    return value
+
+
+def _bandwidth(text: str) -> int:
+    """``200MiB``, ``50MB``, ``100000000``: bytes per second (``/s`` may follow)."""
+    text = text.strip().lower()
+    for suffix in ("/s", "ps"):
+        if text.endswith(suffix):
+            text = text[: -len(suffix)]
+    value = _size(text, "bytes per second such as 200MiB, 50MB or 100000000")
+    if value < 64 * 1024:
+        raise ValueError("must be at least 64KiB per second")
     return value
 
 
@@ -278,6 +295,9 @@ OPTIONS: tuple[Option, ...] = (
            "SECONDS"),
     Option("upload_scan_interval", _positive_seconds, "rescan the checkpoint folder this "
            f"often besides inotify events (default {_DEFAULTS.upload_scan_interval:g})", "SECONDS"),
+    Option("upload_max_bandwidth", _bandwidth, "cap the upload at this many bytes per "
+           "second, e.g. 200MiB, when the uploader shares the NIC with training (default: "
+           "no cap); the durability estimate uses it until an upload was measured", "RATE"),
     Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
            "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE"),
 )
@@ -375,6 +395,7 @@ def storage_options(settings: Settings) -> dict[str, Any]:
         "addressing_style": settings.upload_addressing_style,
         "concurrency": settings.upload_concurrency,
         "part_size": settings.upload_part_size,
+        "max_bandwidth": settings.upload_max_bandwidth,
     }
 
 

@@ -77,21 +77,23 @@ class TorchReducer:
         step_seconds: float,
         save_seconds: float,
         covered_seconds: float,
-    ) -> tuple[float, float, float, float]:
+        upload_seconds: float,
+    ) -> tuple[float, float, float, float, float]:
         import torch
         import torch.distributed as dist
 
-        # Negating the MAX-reduced values lets one MIN reduction do all four. The
-        # sentinels survive: -(-1) stays the largest "unknown" step/save, and
+        # Negating the MAX-reduced values lets one MIN reduction do all five. The
+        # sentinels survive: -(-1) stays the largest "unknown" step/save/upload, and
         # -(-inf) = +inf under MIN loses to any rank that made a save.
         values = torch.tensor(
-            [remaining_seconds, -step_seconds, -save_seconds, -covered_seconds],
+            [remaining_seconds, -step_seconds, -save_seconds, -covered_seconds,
+             -upload_seconds],
             dtype=torch.float64,
             device=self._device(),
         )
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
-        remaining, step, save, covered = (float(x) for x in values.tolist())
-        return remaining, -step, -save, -covered
+        remaining, step, save, covered, upload = (float(x) for x in values.tolist())
+        return remaining, -step, -save, -covered, -upload
 
     def __repr__(self) -> str:
         return f"TorchReducer(group={self.group!r}, device={self.device!r})"

@@ -127,7 +127,7 @@ class _EsiLightningLogic:
         if not guard.should_save():  # collective with a reducer: every rank calls it here
             return
         path = self.checkpoint_path(trainer)
-        with guard.saving():  # timed and counted only if it returns
+        with guard.saving(step):  # timed and counted only if it returns
             _save_atomically(trainer, path)  # collective as well: every rank calls it here
         self.last_checkpoint_path = path
         self.saves += 1

@@ -149,7 +149,7 @@ class _EsiCallbackLogic:
         now = self._monotonic()
         if self._decided_at is not None:
             # The guard dates the save's start on its own wall clock (now - seconds).
-            guard.record_save(max(0.0, now - self._decided_at))
+            guard.record_save(max(0.0, now - self._decided_at), step=state.global_step)
             self.saves_recorded += 1
         self._decided_at = None
         self._since = now  # the save is not part of the next step

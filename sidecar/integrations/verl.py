@@ -145,8 +145,10 @@ def should_save_ckpt_esi(
         deadline, _source = cache.deadline()
         if deadline is None:
             return False
-        return verl_rule(deadline - cache.clock(), float(max_steps_duration),
-                         float(save_ckpt_duration), float(redundant_time))
+        # With the daemon's uploader, a save counts once durable: local save + upload.
+        save_seconds = float(save_ckpt_duration) + (cache.upload_seconds or 0.0)
+        return verl_rule(deadline - cache.clock(), float(max_steps_duration), save_seconds,
+                         float(redundant_time))
     except Exception:
         if not _warned_internal:
             _warned_internal = True

@@ -156,6 +156,18 @@ def _kept(known: Expiry, why: str) -> Expiry:
     )
 
 
+def _with_slowest_upload(chosen: Expiry, answered: list[Expiry]) -> Expiry:
+    """The slowest node's upload counts (every node's checkpoint must be durable), and
+    any node's uploader in trouble makes the whole answer say so."""
+    if len(answered) < 2:
+        return chosen
+    estimates = [a.upload_seconds for a in answered if a.upload_seconds is not None]
+    states = [a.upload_status for a in answered if a.upload_status is not None]
+    status = next((s for s in ("degraded", "uploading", "ok") if s in states), None)
+    return replace(chosen, upload_seconds=max(estimates) if estimates else None,
+                   upload_status=status)
+
+
 def _split_urls(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -265,8 +277,10 @@ class SidecarClient:
             return None
         with_deadline = [a for a in candidates if a.expires_at_unix is not None]
         if with_deadline:
-            return min(with_deadline, key=lambda a: a.expires_at_unix or 0.0)
-        return next((a for a in answered if a.stale), answered[0])
+            chosen = min(with_deadline, key=lambda a: a.expires_at_unix or 0.0)
+        else:
+            chosen = next((a for a in answered if a.stale), answered[0])
+        return _with_slowest_upload(chosen, answered)
 
     def _log_failing(self, failing: tuple[str, ...], *, any_answered: bool) -> None:
         """One line per change of the set of daemons that do not answer, while others do.

@@ -108,6 +108,9 @@ class DeadlineTracker:
         self._last_error: Optional[str] = None
         self._warned_unreachable = False
         self._warned_stale = False
+        # The daemons' upload estimate and state, as last answered (kept while unreachable).
+        self._upload_seconds: Optional[float] = None
+        self._upload_status: Optional[str] = None
 
     @property
     def reachable(self) -> bool:
@@ -118,6 +121,17 @@ class DeadlineTracker:
     def last_error(self) -> Optional[str]:
         """Why the last request failed (for some or all daemons), else None."""
         return self._last_error
+
+    @property
+    def upload_seconds(self) -> Optional[float]:
+        """How long a checkpoint saved now takes to become durable in storage (the slowest
+        node's estimate); None without an uploader or before it knows."""
+        return self._upload_seconds
+
+    @property
+    def upload_status(self) -> Optional[str]:
+        """The uploader's state ("ok", "uploading", "degraded"), None without one."""
+        return self._upload_status
 
     def deadline(self, *, refresh: bool = True) -> tuple[Optional[float], Optional[str]]:
         """``(deadline_unix, source)``; asks the daemon first when a refresh is due.
@@ -184,6 +198,7 @@ class DeadlineTracker:
         says_nothing = answer.stale and answer.expires_at_unix is None
         if not says_nothing:
             self._daemon_deadline = answer.expires_at_unix
+        self._upload_seconds, self._upload_status = answer.upload_seconds, answer.upload_status
         self._reachable = error is None
         self._current = error is None and not degraded and not says_nothing
         if self._warned_unreachable:

@@ -42,6 +42,7 @@ __all__ = [
     "UNKNOWN_REMAINING",
     "UNKNOWN_SAVE",
     "UNKNOWN_STEP",
+    "UNKNOWN_UPLOAD",
     "CheckpointGuard",
     "GuardStatus",
     "Reducer",
@@ -56,23 +57,25 @@ UNKNOWN_REMAINING = math.inf  # reduced with MIN: any rank that knows a deadline
 UNKNOWN_STEP = -1.0  # reduced with MAX
 UNKNOWN_SAVE = -1.0  # reduced with MAX: a save measured on any rank (often rank 0) wins
 UNKNOWN_COVERED = -math.inf  # reduced with MAX: a save made on any rank covers everyone
+UNKNOWN_UPLOAD = -1.0  # reduced with MAX: the slowest node's upload counts
 
 
 class Reducer(Protocol):
     """Makes every rank of a distributed job decide alike (``torch.distributed`` etc.).
 
-    Called with this rank's four numbers, it returns the same four numbers combined
+    Called with this rank's five numbers, it returns the same five numbers combined
     across all ranks: ``(MIN remaining_seconds, MAX step_seconds, MAX save_seconds,
-    MAX covered_seconds)``. Unknown values arrive as sentinels that survive exactly that
-    reduction: ``remaining_seconds = +inf`` (no deadline), ``step_seconds = -1``
-    (no step measured), ``save_seconds = -1`` (no save measured: the configured value is
-    used), ``covered_seconds = -inf`` (no save made). Use float64: remaining times can
-    be large.
+    MAX covered_seconds, MAX upload_seconds)``. Unknown values arrive as sentinels that
+    survive exactly that reduction: ``remaining_seconds = +inf`` (no deadline),
+    ``step_seconds = -1`` (no step measured), ``save_seconds = -1`` (no save measured:
+    the configured value is used), ``covered_seconds = -inf`` (no save made),
+    ``upload_seconds = -1`` (no uploader on this node, or no estimate yet). Use float64:
+    remaining times can be large.
 
-    A torch implementation: ``t = torch.tensor([r, -s, -v, -c], dtype=torch.float64)``,
-    ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1], -t[2], -t[3])`` as floats.
+    A torch implementation: ``t = torch.tensor([r, -s, -v, -c, -u], dtype=torch.float64)``,
+    ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1], -t[2], -t[3], -t[4])``.
 
-    The arguments are positional, so any function of four floats fits. The guard calls
+    The arguments are positional, so any function of five floats fits. The guard calls
     it exactly once per ``should_save()`` and once per ``should_stop()``
     on every rank: both are collective and must be called on every rank the same number
     of times, or the job hangs. Exceptions from it propagate: skipping a collective on
@@ -85,8 +88,9 @@ class Reducer(Protocol):
         step_seconds: float,
         save_seconds: float,
         covered_seconds: float,
+        upload_seconds: float,
         /,
-    ) -> tuple[float, float, float, float]: ...
+    ) -> tuple[float, float, float, float, float]: ...
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,14 @@ class GuardStatus:
     stop: bool
     reason: str
     last_error: Optional[str]
+    # Durability (the daemon's checkpoint uploader): how long a save takes to become
+    # durable after the local write (None: no uploader or no estimate), its state ("ok",
+    # "uploading", "degraded", None without one), the final save's step and when it
+    # became durable (a local save is durable at once when no uploader runs).
+    upload_seconds: Optional[float] = None
+    upload_status: Optional[str] = None
+    final_step: Optional[int] = None
+    final_durable_at_unix: Optional[float] = None
 
 
 class CheckpointGuard:
@@ -163,6 +175,8 @@ class CheckpointGuard:
         # _decided is False until one of them ran.
         self._decided = False
         self._decided_deadline: Optional[float] = None
+        self._final = _FinalSave()
+        self._warned_upload: Optional[str] = None  # the upload state last warned about
 
     @property
     def client(self) -> SidecarClient:
@@ -191,36 +205,44 @@ class CheckpointGuard:
         self.policy.record_step(max(0.0, self._monotonic() - started))
 
     @contextmanager
-    def saving(self) -> Iterator[None]:
+    def saving(self, step: Optional[int] = None) -> Iterator[None]:
         """Time one save and count it as done. A save that raises is not counted.
 
         Any save may be timed here, routine ones too: each teaches the policy the save
         time. It counts as the final save for a deadline only when that deadline was
         known and inside the rule's window when the save started (see
         ``SavePolicy.record_save``).
+
+        ``step``: the training step the checkpoint holds (what ``atomic_checkpoint`` is
+        given). With it the guard follows the final checkpoint until the daemon's uploader
+        has made it durable, and says when (see :meth:`status`).
         """
         started_unix = self._clock()
         deadline = self._deadline_for_save()
         started = self._monotonic()
         yield
         self._record_save(
-            max(0.0, self._monotonic() - started), started_unix=started_unix, deadline_unix=deadline
+            max(0.0, self._monotonic() - started), started_unix=started_unix,
+            deadline_unix=deadline, step=step,
         )
 
     def record_step(self, seconds: float) -> None:
         """For callers that time steps themselves (framework callbacks)."""
         self.policy.record_step(seconds)
 
-    def record_save(self, seconds: float, *, started_unix: Optional[float] = None) -> None:
+    def record_save(
+        self, seconds: float, *, started_unix: Optional[float] = None, step: Optional[int] = None
+    ) -> None:
         """For callers that time saves themselves; ``started_unix`` defaults to now - seconds.
 
         Call it right after the save, before the next ``should_save()``: the save is taken
         to be for the deadline that the last ``should_save()`` (or ``should_stop()``) used.
+        ``step``: as for :meth:`saving`.
         """
         if started_unix is None:
             started_unix = self._clock() - seconds
         self._record_save(seconds, started_unix=started_unix,
-                          deadline_unix=self._deadline_for_save())
+                          deadline_unix=self._deadline_for_save(), step=step)
 
     def _deadline_for_save(self) -> Optional[float]:
         """The deadline a save starting now is made for.
@@ -234,7 +256,12 @@ class CheckpointGuard:
         return self._tracker.deadline(refresh=False)[0]
 
     def _record_save(
-        self, seconds: float, *, started_unix: float, deadline_unix: Optional[float]
+        self,
+        seconds: float,
+        *,
+        started_unix: float,
+        deadline_unix: Optional[float],
+        step: Optional[int] = None,
     ) -> None:
         # The budget of the decision that asked for this save, so that the save covers
         # what that decision promised; the deadline known when it started, so that a
@@ -245,6 +272,14 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
+        if asked is not None and asked.save_now:  # the save the rule asked for: the final one
+            now = self._clock()
+            uploads = self._tracker.upload_status is not None
+            self._final = _FinalSave(step=step, deadline_unix=deadline_unix, saved_unix=now,
+                                     durable_unix=None if uploads else now)
+            if uploads and step is None:
+                logger.warning("the final checkpoint was saved without a step number "
+                               "(guard.saving(step=N)): its upload cannot be followed")
 
     # ------------------------------------------------------------------ deciding
 
@@ -268,6 +303,7 @@ class CheckpointGuard:
         if decision.stop and not self._stopping:
             logger.info("stop training: %s", decision.reason)
         self._stopping = decision.stop
+        self._follow_final_save()
         return decision.stop
 
     def maybe_save(self, save: Callable[[], T]) -> bool:
@@ -281,7 +317,9 @@ class CheckpointGuard:
     def status(self) -> GuardStatus:
         """This rank's view, without the reducer (never collective): for logging."""
         decision, _deadline = self._decide(reduce=False)
+        self._follow_final_save()
         deadline, source = self._tracker.deadline(refresh=False)
+        final = self._final
         return GuardStatus(
             remaining_seconds=decision.remaining_seconds,
             budget_seconds=decision.budget_seconds,
@@ -294,7 +332,42 @@ class CheckpointGuard:
             stop=decision.stop,
             reason=decision.reason,
             last_error=self.last_error,
+            upload_seconds=self._tracker.upload_seconds,
+            upload_status=self._tracker.upload_status,
+            final_step=final.step,
+            final_durable_at_unix=final.durable_unix,
         )
+
+    def _follow_final_save(self) -> None:
+        """Ask, at most once per refresh, whether the final checkpoint is durable yet;
+        say so once, or say loudly that the release came first. Never raises."""
+        final = self._final
+        if final.saved_unix is None or final.reported:
+            return
+        now = self._clock()
+        lead = None if final.deadline_unix is None else final.deadline_unix - now
+        if final.durable_unix is None and final.step is not None and (
+            self._monotonic() >= final.next_check
+        ):
+            final.next_check = self._monotonic() + self._tracker.refresh_seconds
+            try:
+                durable = self.client.is_durable(final.step)
+            except Exception:  # a client given by the caller may raise
+                durable = None
+            if durable:
+                final.durable_unix = now
+        if final.durable_unix is not None:
+            final.reported = True
+            if final.deadline_unix is None:
+                logger.info("final checkpoint (step %s) durable", final.step)
+            else:
+                logger.info("final checkpoint (step %s) durable %.1f s before the release",
+                            final.step, final.deadline_unix - final.durable_unix)
+        elif lead is not None and lead <= 0:
+            final.reported = True
+            logger.error("final checkpoint (step %s) was NOT durable before the release: "
+                         "the uploader had not finished (%s)", final.step,
+                         self._tracker.upload_status or "no answer")
 
     @property
     def last_decision(self) -> Optional[PolicyDecision]:
@@ -316,22 +389,51 @@ class CheckpointGuard:
         step = policy.step_estimate()
         measured_save = policy.measured_save_estimate()
         covered = policy.covered_seconds(now_unix)
+        upload = self._tracker.upload_seconds
+        self._warn_upload_state()
         if reduce and self._reducer is not None:
             reduced = self._reducer(
                 UNKNOWN_REMAINING if remaining is None else remaining,
                 UNKNOWN_STEP if step is None else step,
                 UNKNOWN_SAVE if measured_save is None else measured_save,
                 UNKNOWN_COVERED if covered is None else covered,
+                UNKNOWN_UPLOAD if upload is None else upload,
             )
-            r, s, v, c = (float(x) for x in reduced)
+            r, s, v, c, u = (float(x) for x in reduced)
             remaining = None if math.isinf(r) or math.isnan(r) else r
             step = None if s < 0 or math.isnan(s) else s
             measured_save = None if v < 0 or math.isnan(v) else v
             covered = None if math.isinf(c) or math.isnan(c) else c
+            upload = None if u < 0 or math.isnan(u) or math.isinf(u) else u
         decision = policy.decide(
             remaining,
             step_seconds=step,
             save_seconds=policy.save_seconds if measured_save is None else measured_save,
             covered_seconds=covered,
+            upload_seconds=upload,
         )
         return decision, None if remaining is None else now_unix + remaining
+
+    def _warn_upload_state(self) -> None:
+        """One line when the uploader starts failing, one when it is back."""
+        state = self._tracker.upload_status
+        if state == "degraded" and self._warned_upload != "degraded":
+            logger.warning("checkpoint uploads are failing (the daemon's /v1/uploads says "
+                           "why): a checkpoint saved now may not become durable before the "
+                           "release")
+            self._warned_upload = "degraded"
+        elif state != "degraded" and self._warned_upload == "degraded":
+            logger.info("checkpoint uploads work again")
+            self._warned_upload = state
+
+
+@dataclass
+class _FinalSave:
+    """The final checkpoint, followed until it is durable (or the release comes first)."""
+
+    step: Optional[int] = None
+    deadline_unix: Optional[float] = None
+    saved_unix: Optional[float] = None
+    durable_unix: Optional[float] = None
+    next_check: float = -math.inf  # monotonic
+    reported: bool = False

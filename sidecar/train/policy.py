@@ -87,6 +87,8 @@ class PolicyDecision:
     step_seconds: Optional[float]
     save_seconds: float
     reason: str
+    # The upload after the save that the budget includes (None: no uploader, or unknown).
+    upload_seconds: Optional[float] = None
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -304,7 +306,12 @@ class SavePolicy:
 
     # ------------------------------------------------------------------ decisions
 
-    def evaluate(self, now_unix: float, deadline_unix: Optional[float]) -> PolicyDecision:
+    def evaluate(
+        self,
+        now_unix: float,
+        deadline_unix: Optional[float],
+        upload_seconds: Optional[float] = None,
+    ) -> PolicyDecision:
         """Decide from this process's own measurements and an absolute deadline."""
         remaining = None if deadline_unix is None else deadline_unix - now_unix
         return self.decide(
@@ -312,6 +319,7 @@ class SavePolicy:
             step_seconds=self.step_estimate(),
             save_seconds=self.save_estimate(),
             covered_seconds=self.covered_seconds(now_unix),
+            upload_seconds=upload_seconds,
         )
 
     def decide(
@@ -321,15 +329,22 @@ class SavePolicy:
         step_seconds: Optional[float],
         save_seconds: float,
         covered_seconds: Optional[float],
+        upload_seconds: Optional[float] = None,
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
+
+        ``upload_seconds``: how long a checkpoint takes to become durable after the local
+        save (the daemon's uploader estimate); the rule then budgets step + save + upload
+        + margin, since the machine's local disk goes with it. None or 0: the local save
+        is durable.
 
         ``covered_seconds``: how far beyond now the saves made for a deadline cover (see
         :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
         ``remaining_seconds <= covered_seconds``; a deadline moved later than that
         re-arms it. A deadline brought earlier stays covered.
         """
-        budget = None if step_seconds is None else self._budget(step_seconds, save_seconds)
+        durable_save = save_seconds + (upload_seconds or 0.0)
+        budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
         def decision(save_now: bool, stop: bool, reason: str) -> PolicyDecision:
             return PolicyDecision(
@@ -340,6 +355,7 @@ class SavePolicy:
                 step_seconds=step_seconds,
                 save_seconds=save_seconds,
                 reason=reason,
+                upload_seconds=upload_seconds,
             )
 
         if remaining_seconds is None:
@@ -353,7 +369,7 @@ class SavePolicy:
             return decision(False, False, "deadline passed")
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
-        if seed_rule(remaining_seconds, step_seconds, save_seconds, self.redundant_seconds)[0]:
+        if seed_rule(remaining_seconds, step_seconds, durable_save, self.redundant_seconds)[0]:
             return decision(
                 True,
                 False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -28,6 +29,12 @@ __all__ = ["STATES", "UploadRecord", "UploadTracker"]
 STATES = ("pending", "uploading", "done", "failed", "skipped")
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 KEEP_RECORDS = 200  # finished records kept for the status page; the oldest go first
+# The next upload's duration: the largest of the newest SIZE_WINDOW checkpoints over the
+# throughput of the last RATE_WINDOW uploads, times UPLOAD_MARGIN (as SavePolicy's x1.2
+# on measured saves: normal variation, and the fixed cost of a small checkpoint).
+SIZE_WINDOW = 3
+RATE_WINDOW = 5
+UPLOAD_MARGIN = 1.2
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,12 @@ class UploadTracker:
         source: str,
         destination: str,
         endpoint: Optional[str],
+        max_bandwidth: Optional[int] = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._lock = threading.Lock()
+        self.max_bandwidth = max_bandwidth  # bytes per second, the configured cap
+        self._rates: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (bytes, seconds)
         self._clock = clock
         self.source = source
         self.destination = destination
@@ -148,6 +158,8 @@ class UploadTracker:
             )
             self._records[name] = new
             if duration is not None:
+                if duration > 0 and new.bytes_total > 0:
+                    self._rates.append((new.bytes_total, duration))
                 self._completed += 1
                 self._duration_sum += duration
                 index = next((i for i, bound in enumerate(DURATION_BUCKETS) if duration <= bound),
@@ -205,6 +217,35 @@ class UploadTracker:
             records = list(self._records.values())
         return sorted(records, key=_newest_first, reverse=True)
 
+    def throughput(self) -> Optional[float]:
+        """Bytes per second of the recent uploads (their whole duration, the storage calls
+        around the transfer included); the configured cap until one was measured."""
+        with self._lock:
+            rates = list(self._rates)
+        if not rates:
+            return None if self.max_bandwidth is None else float(self.max_bandwidth)
+        measured = sum(size for size, _ in rates) / sum(seconds for _, seconds in rates)
+        return measured if self.max_bandwidth is None else min(measured, self.max_bandwidth)
+
+    def next_upload_seconds(self) -> Optional[float]:
+        """How long the next checkpoint will take to become durable, once saved locally:
+        the largest recent checkpoint over :meth:`throughput`, with a margin. None before
+        a checkpoint was seen, or while no throughput is known (no upload measured and no
+        ``--upload-max-bandwidth``)."""
+        newest = self.records()[:SIZE_WINDOW]
+        rate = self.throughput()
+        if not newest or not rate:
+            return None
+        return max(r.bytes_total for r in newest) / rate * UPLOAD_MARGIN
+
+    def durability(self) -> tuple[Optional[float], str]:
+        """What ``/v1/expiry`` serves: ``(next_upload_seconds, status)``."""
+        with self._lock:
+            failing = self._consecutive_failures > 0
+            uploading = any(r.state == "uploading" for r in self._records.values())
+        status = "degraded" if failing else ("uploading" if uploading else "ok")
+        return self.next_upload_seconds(), status
+
     def last_durable(self) -> Optional[UploadRecord]:
         with self._lock:
             return self._durable
@@ -234,6 +275,7 @@ class UploadTracker:
             "last_durable_step": durable.step if durable else None,
             "last_durable_name": durable.name if durable else None,
             "last_durable_at_unix": durable_at,
+            "next_upload_seconds": self.next_upload_seconds(),
         }
 
     def body(self, now: Optional[float] = None, limit: int = 100) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class StorageConfig:
     addressing_style: str = "auto"  # auto | path | virtual
     concurrency: int = DEFAULT_UPLOAD_CONCURRENCY
     part_size: int = DEFAULT_UPLOAD_PART_SIZE
+    max_bandwidth: Optional[int] = None  # bytes per second for all transfers; None: no cap
     connect_timeout: float = 10.0
     read_timeout: float = 60.0
     max_attempts: int = 3  # botocore's own retries of one request
@@ -145,6 +146,7 @@ def transfer_config(config: StorageConfig) -> TransferConfig:
         max_concurrency=config.concurrency,
         use_threads=True,
         preferred_transfer_client="classic",
+        max_bandwidth=config.max_bandwidth,
     )
 
 

@@ -87,7 +87,8 @@ class Uploader:
         self.config = config
         self.tracker = tracker or UploadTracker(
             source=str(config.root), destination=config.location.url,
-            endpoint=config.storage.endpoint, clock=clock,
+            endpoint=config.storage.endpoint, max_bandwidth=config.storage.max_bandwidth,
+            clock=clock,
         )
         self._remaining = remaining_seconds
         self._client_factory = client_factory

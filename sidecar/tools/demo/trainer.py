@@ -60,7 +60,7 @@ def train(
         emit("step", step=step, loss=loss, remaining=status.remaining_seconds)
         if guard.should_save():
             started = time.time()
-            with guard.saving(), atomic_checkpoint(root, step, keep_last=3) as folder:
+            with guard.saving(step), atomic_checkpoint(root, step, keep_last=3) as folder:
                 model.save(folder, step)
             emit("save", step=step, seconds=time.time() - started,
                  remaining=guard.status().remaining_seconds)
