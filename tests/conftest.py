@@ -17,6 +17,17 @@ FAIL_ON_SKIP = "SIDECAR_TESTS_FAIL_ON_SKIP"
 ALLOWED_SKIPS = ("cannot boot systemd in namespaces here",)
 
 
+@pytest.fixture
+def unused_port() -> int:
+    """A loopback port nobody listens on (bound, read, released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
 @pytest.fixture(scope="module")
 def s3() -> Any:
     """A real S3-protocol server (moto) on loopback, one per test module."""

@@ -235,13 +235,3 @@ def test_daemon_killed_mid_upload_restarts_cleanly(s3: S3Server, tmp_path: Path)
         assert (restored.info.path / entry.path).read_bytes() == (
             info.path / entry.path).read_bytes()
     assert latest_valid(tmp_path / "fresh", verify_checksums=True).step == 500  # type: ignore[union-attr]
-
-
-@pytest.fixture
-def unused_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port

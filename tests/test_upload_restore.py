@@ -191,13 +191,3 @@ def test_cli_clear_errors(
     assert run_cli(monkeypatch, "--to", str(tmp_path)) == 2
     for text in capsys.readouterr():
         assert SECRET_KEY not in text
-
-
-@pytest.fixture
-def unused_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port

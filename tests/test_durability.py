@@ -1,0 +1,207 @@
+"""Durable before the release: the uploader's estimate in the decision, the bandwidth cap,
+and the guard following the final checkpoint until the daemon has it in storage.
+
+The real daemon with its uploader, the real boto3 against moto's S3 server on loopback, the
+stdlib client and the guard; the guard's clock is set so the remaining time is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_harness import serve_daemon
+from test_upload_support import (
+    ACCESS_KEY,
+    MIB,
+    SECRET_KEY,
+    S3Server,
+    isolate_aws_env,
+    make_checkpoint,
+    wait_for,
+)
+
+from sidecar.host.settings import ConfigError, load_settings
+from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.status import UPLOAD_MARGIN, UploadRecord, UploadTracker
+from sidecar.train.client import SidecarClient
+from sidecar.train.guard import CheckpointGuard
+from sidecar.train.policy import SavePolicy
+
+CAP = 2 * MIB  # bytes per second: a 6 MiB checkpoint takes 3 s
+GUARD_LOGGER = "sidecar.train.guard"
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    isolate_aws_env(monkeypatch)
+
+
+def expiry(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/v1/expiry", timeout=5) as response:
+        body: dict[str, Any] = json.loads(response.read())
+    return body
+
+
+def settings(s3_endpoint: str, root: Path, location: S3Location, deadline: float,
+             **extra: Any) -> dict[str, Any]:
+    return {
+        "sources": ("static",), "expires_at": str(deadline),
+        "upload_from": root, "upload_to": location.url, "upload_endpoint": s3_endpoint,
+        "upload_access_key": ACCESS_KEY, "upload_secret_key": SECRET_KEY,
+        "upload_part_size": 5 * MIB, "upload_scan_interval": 0.2, **extra,
+    }
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_decision_budgets_the_upload_and_the_final_save_is_followed_to_durable(
+    s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    deadline = time.time() + 3600
+    location = s3.bucket("durable-final")
+    make_checkpoint(tmp_path, 1, {"model.pt": 6 * MIB})
+    started = time.monotonic()
+    with serve_daemon(**settings(s3.endpoint, tmp_path, location, deadline,
+                                 upload_max_bandwidth=CAP)) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+        took = time.monotonic() - started
+        # The cap holds: 6 MiB at 2 MiB/s cannot be durable in much less than 3 s.
+        assert took >= 6 / 2 * 0.8, took
+
+        body = expiry(daemon.url)
+        assert body["upload_status"] == "ok"
+        upload = body["upload_seconds"]
+        # The largest recent checkpoint over the measured rate (capped), with the margin.
+        assert 6 / 2 * UPLOAD_MARGIN <= upload <= took * UPLOAD_MARGIN + 0.5
+        query = "/v1/decision?step_seconds=1&save_seconds=1&redundant_seconds=5"
+        with urllib.request.urlopen(daemon.url + query, timeout=5) as response:
+            decided = json.loads(response.read())
+        assert decided["upload_seconds"] == pytest.approx(upload, rel=0.01)
+        assert decided["budget_seconds"] == pytest.approx(7.0 + upload, rel=0.01)
+
+        # 9 s left. The local save alone fits (1 s step + 1 s save + 5 s margin = 7 s), the
+        # save plus its upload does not: the guard must ask for the save now.
+        clock = Clock(deadline - 9.0)
+        guard = CheckpointGuard(client, SavePolicy(save_seconds=1.0, redundant_seconds=5.0),
+                                clock=clock, environ={})
+        guard.record_step(1.0)
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        assert guard.should_save() is True
+        decision = guard.last_decision
+        assert decision is not None and decision.upload_seconds == pytest.approx(upload)
+        assert decision.budget_seconds == pytest.approx(1.0 + 1.0 + upload + 5.0)
+        status = guard.status()
+        assert status.upload_seconds == pytest.approx(upload) and status.upload_status == "ok"
+
+        with guard.saving(step=2):
+            make_checkpoint(tmp_path, 2, {"model.pt": 6 * MIB})
+        assert guard.status().final_step == 2
+
+        def durable_at() -> Any:
+            return guard.status().final_durable_at_unix
+
+        assert wait_for(durable_at, timeout=30) == clock.now
+        assert client.is_durable(2) is True
+    lines = [r.getMessage() for r in caplog.records if r.name == GUARD_LOGGER]
+    assert "final checkpoint (step 2) durable 9.0 s before the release" in lines
+
+
+def test_storage_down_the_guard_warns_and_says_the_final_save_was_not_durable(
+    tmp_path: Path, unused_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    deadline = time.time() + 3600
+    make_checkpoint(tmp_path, 1, {"w.bin": 10})
+    dead = S3Location("nowhere", "run")
+    with serve_daemon(**settings(f"http://127.0.0.1:{unused_port}", tmp_path, dead,
+                                 deadline)) as daemon:
+        wait_for(lambda: expiry(daemon.url)["upload_status"] == "degraded", timeout=20)
+        clock = Clock(deadline - 100.0)
+        guard = CheckpointGuard(SidecarClient(daemon.url, timeout=5),
+                                SavePolicy(save_seconds=1.0, redundant_seconds=120.0),
+                                clock=clock, refresh_seconds=0.0, environ={})
+        guard.record_step(1.0)
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        assert guard.should_save() is True
+        assert guard.status().upload_status == "degraded"
+        with guard.saving(step=2):
+            make_checkpoint(tmp_path, 2, {"w.bin": 10})
+        guard.should_stop()
+        assert guard.status().final_durable_at_unix is None
+        clock.now = deadline + 1.0  # the release came first
+        guard.status()
+        guard.status()
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == GUARD_LOGGER]
+    failing = [m for level, m in messages if "uploads are failing" in m]
+    assert len(failing) == 1 and all(level == logging.WARNING for level, m in messages
+                                     if "uploads are failing" in m)
+    not_durable = [(level, m) for level, m in messages if "NOT durable" in m]
+    assert not_durable == [(logging.ERROR, "final checkpoint (step 2) was NOT durable before "
+                                           "the release: the uploader had not finished "
+                                           "(degraded)")]
+
+
+def test_without_an_uploader_the_final_save_is_durable_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    deadline = time.time() + 3600
+    with serve_daemon(sources=("static",), expires_at=str(deadline)) as daemon:
+        body = expiry(daemon.url)
+        assert body["upload_seconds"] is None and body["upload_status"] is None
+        clock = Clock(deadline - 50.0)
+        guard = CheckpointGuard(SidecarClient(daemon.url, timeout=5),
+                                SavePolicy(save_seconds=1.0, redundant_seconds=60.0),
+                                clock=clock, environ={})
+        guard.record_step(1.0)
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        assert guard.should_save() is True
+        decision = guard.last_decision
+        assert decision is not None and decision.budget_seconds == pytest.approx(62.0)
+        with guard.saving(step=7):
+            pass
+        status = guard.status()
+        assert status.final_step == 7 and status.final_durable_at_unix == clock.now
+    assert any(r.getMessage() == "final checkpoint (step 7) durable 50.0 s before the release"
+               for r in caplog.records)
+
+
+def test_the_estimate_is_the_largest_recent_checkpoint_over_the_throughput() -> None:
+    now = [1000.0]
+    tracker = UploadTracker(source="/c", destination="s3://b/p", endpoint=None,
+                            clock=lambda: now[0])
+    assert tracker.next_upload_seconds() is None  # nothing seen
+    tracker.put(UploadRecord("step_1", 1, 1.0, "d1", bytes_total=100 * MIB, file_count=1))
+    assert tracker.next_upload_seconds() is None  # no rate known, no cap
+    tracker.record_done("step_1", duration=10.0, note=None)  # 10 MiB/s
+    assert tracker.next_upload_seconds() == pytest.approx(10.0 * UPLOAD_MARGIN)
+    tracker.put(UploadRecord("step_2", 2, 2.0, "d2", bytes_total=300 * MIB, file_count=1))
+    assert tracker.next_upload_seconds() == pytest.approx(30.0 * UPLOAD_MARGIN)
+    capped = UploadTracker(source="/c", destination="s3://b/p", endpoint=None,
+                           max_bandwidth=5 * MIB)
+    capped.put(UploadRecord("step_1", 1, 1.0, "d1", bytes_total=100 * MIB, file_count=1))
+    assert capped.next_upload_seconds() == pytest.approx(20.0 * UPLOAD_MARGIN)  # the cap
+    capped.record_done("step_1", duration=2.0, note=None)  # measured 50 MiB/s, capped at 5
+    assert capped.throughput() == 5 * MIB
+    assert capped.durability() == (pytest.approx(20.0 * UPLOAD_MARGIN), "ok")
+
+
+def test_a_bad_bandwidth_cap_stops_start_up_naming_the_setting() -> None:
+    parsed = load_settings({"upload_max_bandwidth": "200MiB"}, environ={})
+    assert parsed.upload_max_bandwidth == 200 * MIB
+    assert load_settings({}, {"ESI_SIDECAR_UPLOAD_MAX_BANDWIDTH": "50MB/s"}
+                         ).upload_max_bandwidth == 50_000_000
+    for bad in ("fast", "-5MiB", "10"):
+        with pytest.raises(ConfigError, match="--upload-max-bandwidth"):
+            load_settings({"upload_max_bandwidth": bad}, environ={})
