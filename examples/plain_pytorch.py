@@ -1,7 +1,7 @@
 """A plain PyTorch training loop that saves before the machine is released.
 
     python examples/plain_pytorch.py --steps 50
-    python examples/plain_pytorch.py --steps 50 --release-in 170   # pretend: released soon
+    python examples/plain_pytorch.py --steps 50 --release-in 30   # pretend: released soon
 
 The daemon (``esi-sidecar serve``) tells the guard when this machine goes away; without
 one, the guard falls back to the platform's capacity-block variables. ``--release-in``
@@ -11,7 +11,9 @@ is the same for yours.
 
 The part to copy is ``train``: ten lines around your own step and save functions, with
 ``atomic_checkpoint`` (a kill mid-save leaves the previous checkpoint intact) and
-``latest_valid`` (resume from the newest complete one).
+``latest_valid`` (resume from the newest complete one). After the final save the guard
+waits in ``should_stop()`` for the release (a renewal resumes training); when it comes,
+the script exits with ``EXIT_RELEASED`` (75) so a launcher tells it from a crash.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from sidecar import CheckpointGuard, SavePolicy, atomic_checkpoint, latest_valid
+from sidecar import EXIT_RELEASED, CheckpointGuard, SavePolicy, atomic_checkpoint, latest_valid
 from sidecar.tools.demo.toy_model import build_model
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
@@ -39,7 +41,7 @@ def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
         if guard.should_save():  # once, when the deadline is near
             with guard.saving(step), atomic_checkpoint(root, step) as folder:  # times T_save
                 model.save(folder, step)
-        if guard.should_stop():  # saved; another step could not be saved in time
+        if guard.should_stop():  # saved, then waited: the release has come
             logging.info("stopping at step %d: %s", step, guard.status().reason)
             return step + 1
         step += 1
@@ -79,6 +81,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"checkpoint {found.path if found else 'not written'}; "
             f"deadline from {status.deadline_source or 'nowhere'}; {status.reason}"
         )
+    if guard.released:
+        raise SystemExit(EXIT_RELEASED)
 
 
 if __name__ == "__main__":

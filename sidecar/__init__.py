@@ -12,12 +12,13 @@ from sidecar.models import Decision, Expiry
 from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import env_deadline
-from sidecar.train.guard import CheckpointGuard, GuardStatus, Reducer
+from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard, GuardStatus, Reducer
 from sidecar.train.policy import PolicyDecision, SavePolicy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_RELEASED",
     "CheckpointGuard",
     "Decision",
     "Expiry",

@@ -56,11 +56,21 @@ def main(config: dict[str, Any]) -> None:
     def policy() -> SavePolicy:
         return SavePolicy(save_seconds=5, redundant_seconds=5)
 
+    # With "wait", the reduced guard waits for the release after its final save; the
+    # simulated wall clock advances by what it sleeps. Without, it answers the stop
+    # decision at once (what the save/stop agreement checks).
+    wait = bool(config.get("wait", False))
+
+    def sleep(seconds: float) -> None:
+        wall[0] += seconds
+
+    options: dict[str, Any] = {"clock": clock, "wait_for_release": wait, "sleep": sleep}
     if config.get("reduce", True):
-        guard = distributed_guard(client=SidecarClient(config["url"]), policy=policy(), clock=clock)
+        guard = distributed_guard(client=SidecarClient(config["url"]), policy=policy(), **options)
     else:  # the broken setup the test shows failing: each rank decides on its own
-        guard = CheckpointGuard(client=SidecarClient(config["url"]), policy=policy(), clock=clock)
-    shadow = CheckpointGuard(client=SidecarClient(config["url"]), policy=policy(), clock=clock)
+        guard = CheckpointGuard(client=SidecarClient(config["url"]), policy=policy(), **options)
+    shadow = CheckpointGuard(client=SidecarClient(config["url"]), policy=policy(), clock=clock,
+                             wait_for_release=False)
 
     # The reducer alone, with rank-specific inputs holding every "unknown" sentinel.
     last = world_size - 1
@@ -110,12 +120,16 @@ def main(config: dict[str, Any]) -> None:
                 collective_save(step)
         if guard.should_stop():
             stop_steps.append(step)
+            if wait:
+                break  # released: leave the loop, as a training script does
 
     result = {
         "rank": rank,
         "saves": saves,
         "shadow_saves": shadow_saves,
         "stop_steps": stop_steps,
+        "released": guard.released,
+        "wall_at_exit": wall[0],
         "save_tokens": save_tokens,
         "probe": list(probe),
         "distributed": isinstance(reducer_if_distributed(), TorchReducer),

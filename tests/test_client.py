@@ -96,6 +96,9 @@ def static_daemon(expires_at: float, **overrides: object):  # type: ignore[no-un
 
 def simple_guard(client: SidecarClient, **options: object) -> CheckpointGuard:
     options.setdefault("environ", {})
+    # These tests pin the save and stop decisions; the wait for the release that follows
+    # a stop is tested in test_release_wait.py.
+    options.setdefault("wait_for_release", False)
     return CheckpointGuard(client, **options)  # type: ignore[arg-type]
 
 
@@ -1009,6 +1012,7 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
                     SavePolicy(save_seconds=100.0),
                     environ={},
                     reducer=reduce.for_rank(rank),
+                    wait_for_release=False,  # the stop decision itself, agreed by both
                 )
                 for step in range(10):
                     with guard.step():

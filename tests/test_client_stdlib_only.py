@@ -74,7 +74,8 @@ from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
-guard = CheckpointGuard(SidecarClient(sys.argv[1]), SavePolicy(save_seconds=100.0), environ={})
+guard = CheckpointGuard(SidecarClient(sys.argv[1]), SavePolicy(save_seconds=100.0), environ={},
+                        wait_for_release=False)
 guard.record_step(1.0)
 save_now = guard.should_save()
 with guard.saving():
@@ -213,7 +214,8 @@ def test_cli_status_imports_no_server_module(tmp_path: Path) -> None:
 
 
 def test_example_runs_without_torch(tmp_path: Path) -> None:
-    """examples/plain_pytorch.py falls back to its toy model and saves once, then stops."""
+    """examples/plain_pytorch.py falls back to its toy model, saves once, waits for the
+    release and exits with EXIT_RELEASED (75); resumed, it runs to the end."""
     python = _bare_python(sys.executable, tmp_path / "venv")
     with socket.socket() as sock:  # a port nobody listens on: no daemon, env fallback
         sock.bind(("127.0.0.1", 0))
@@ -223,13 +225,15 @@ def test_example_runs_without_torch(tmp_path: Path) -> None:
     environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SOURCE_ROOT)}
     environment["ESI_SIDECAR_URL"] = dead_url
     released = subprocess.run(
-        [*command, "--release-in", "170", "--checkpoints", str(checkpoints)],
+        [*command, "--release-in", "6", "--save-seconds", "1", "--checkpoints",
+         str(checkpoints)],
         capture_output=True,
         text=True,
         env=environment,
         timeout=60,
     )
-    assert released.returncode == 0, released.stderr
+    assert released.returncode == 75, released.stderr
+    assert "the release time has passed" in released.stderr
     assert "model=PlainModel ran to step 1/50" in released.stdout
     assert "deadline from env" in released.stdout
     saved = latest_valid(checkpoints)  # written through atomic_checkpoint, so it validates

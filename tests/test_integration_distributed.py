@@ -71,6 +71,7 @@ def run_workers(
     *,
     base_unix: float,
     reduce: bool = True,
+    wait: bool = False,
     group_timeout: float = 20,
     limit: float = 90,
 ) -> list[tuple[int, Any, str]]:
@@ -87,6 +88,7 @@ def run_workers(
             "group_timeout": group_timeout,
             "url": url,
             "reduce": reduce,
+            "wait": wait,
             "base_unix": float(int(base_unix)),
             "wall_seconds_per_step": 10.0,
             "step_seconds": STEP_SECONDS[rank],
@@ -102,6 +104,28 @@ def run_workers(
         (code, json.loads(result.read_text()) if result.exists() else None, stderr)
         for (code, stderr), result in zip(outcomes, results)
     ]
+
+
+def test_after_the_final_save_every_rank_waits_for_the_release_and_leaves_together(
+    tmp_path: Path,
+) -> None:
+    """The wait after the final save, across real gloo ranks: every rank stays in
+    should_stop() (asking the others while the release is far enough) until the earliest
+    node's release has passed on the simulated clock, then all leave at the same step."""
+    base_unix = time.time()
+    with ExitStack() as stack:
+        urls = start_daemons(stack, 2, base_unix)
+        outcomes = run_workers(tmp_path, urls, base_unix=base_unix, wait=True)
+    for code, _body, stderr in outcomes:
+        assert code == 0, stderr[-2000:]
+    results = [body for _code, body, _stderr in outcomes]
+    release = float(int(base_unix)) + RELEASE_AFTER
+    for r in results:
+        assert r["saves"] == [EXPECTED_SAVE_STEP], r
+        assert r["stop_steps"] == [EXPECTED_SAVE_STEP], r  # left the loop at the save
+        assert r["released"] is True
+        # Waited until the release (rank 0's daemon), not a step more than needed.
+        assert release <= r["wall_at_exit"] < release + 2.0, r
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -38,6 +38,7 @@ from sidecar.train.deadline import DeadlineTracker
 from sidecar.train.policy import PolicyDecision, SavePolicy
 
 __all__ = [
+    "EXIT_RELEASED",
     "UNKNOWN_COVERED",
     "UNKNOWN_REMAINING",
     "UNKNOWN_SAVE",
@@ -58,6 +59,10 @@ UNKNOWN_STEP = -1.0  # reduced with MAX
 UNKNOWN_SAVE = -1.0  # reduced with MAX: a save measured on any rank (often rank 0) wins
 UNKNOWN_COVERED = -math.inf  # reduced with MAX: a save made on any rank covers everyone
 UNKNOWN_UPLOAD = -1.0  # reduced with MAX: the slowest node's upload counts
+
+# The exit status for a job that left its loop because the machine is being released
+# (BSD's EX_TEMPFAIL): not a crash; resume on the next machine.
+EXIT_RELEASED = 75
 
 
 class Reducer(Protocol):
@@ -154,6 +159,8 @@ class CheckpointGuard:
         monotonic: Callable[[], float] = time.monotonic,
         reducer: Optional[Reducer] = None,
         environ: Optional[Mapping[str, str]] = None,
+        wait_for_release: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._tracker = DeadlineTracker(
             client if client is not None else SidecarClient(),
@@ -167,6 +174,9 @@ class CheckpointGuard:
         self._clock = clock
         self._monotonic = monotonic
         self._reducer = reducer
+        self.wait_for_release = wait_for_release
+        self._sleep = sleep
+        self.released = False  # should_stop() returned True because the release came
         self._warned_internal = False
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
@@ -293,9 +303,20 @@ class CheckpointGuard:
         return decision.save_now
 
     def should_stop(self) -> bool:
-        """True once the final save is done and no further step could be saved in time.
+        """True once the final save is done and the release has come: leave the loop.
 
-        Collective when a reducer is set (so that every rank leaves the loop together).
+        After the final save no further step could be saved in time, so the guard waits
+        here (``wait_for_release``, the default), asking the daemon as usual, until
+        either the release time has passed (True: leave the loop, and exit with
+        :data:`EXIT_RELEASED` so a launcher tells it from a crash; :attr:`released` is
+        True) or the release moved later, a renewal (False: training goes on in the same
+        process and the rule re-arms). Without ``wait_for_release`` it returns True right
+        after the final save, as before.
+
+        Collective when a reducer is set (so that every rank leaves the loop together);
+        the wait asks the other ranks once per ``refresh_seconds`` until shortly before
+        the earliest release of any node, then only watches its own clock, so a node
+        that goes away never leaves the others inside a collective.
         """
         decision, self._decided_deadline = self._decide(reduce=True)
         self._decided = True
@@ -304,7 +325,48 @@ class CheckpointGuard:
             logger.info("stop training: %s", decision.reason)
         self._stopping = decision.stop
         self._follow_final_save()
-        return decision.stop
+        if not decision.stop or not self.wait_for_release:
+            return decision.stop
+        return self._wait_for_release(decision)
+
+    def _wait_for_release(self, decision: PolicyDecision) -> bool:
+        interval = max(0.05, self._tracker.refresh_seconds)
+        # Collectives stop this long before the earliest release (judged on the reduced
+        # remaining time, which every rank sees alike), so no rank is inside one when a
+        # node goes away.
+        quiet_seconds = 2 * interval + 1.0
+        asking = decision.remaining_seconds is not None and (
+            self._reducer is None or decision.remaining_seconds > quiet_seconds
+        )
+        logger.info("final checkpoint saved; waiting for the release%s (training resumes "
+                    "if it moves later)", _in(decision.remaining_seconds))
+        while True:
+            deadline = self._decided_deadline
+            if deadline is None:  # the release was called off
+                logger.info("the release was called off: training resumes")
+                self._stopping = False
+                return False
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                self.released = True
+                logger.info("the release time has passed: leaving the training loop "
+                            "(exit status %d)", EXIT_RELEASED)
+                return True
+            self._sleep(min(interval, remaining))
+            self._follow_final_save()
+            if not asking:
+                continue
+            decision, self._decided_deadline = self._decide(reduce=True)
+            self._last_decision = decision
+            if not decision.stop:
+                logger.info("the release moved later (now%s): training resumes",
+                            _in(decision.remaining_seconds))
+                self._stopping = False
+                return False
+            if self._reducer is not None and (
+                decision.remaining_seconds is None or decision.remaining_seconds <= quiet_seconds
+            ):
+                asking = False
 
     def maybe_save(self, save: Callable[[], T]) -> bool:
         """Call ``save()`` inside :meth:`saving` when :meth:`should_save`; True if it ran."""
@@ -358,11 +420,12 @@ class CheckpointGuard:
                 final.durable_unix = now
         if final.durable_unix is not None:
             final.reported = True
+            local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
             if final.deadline_unix is None:
-                logger.info("final checkpoint (step %s) durable", final.step)
+                logger.info("final checkpoint (step %s) durable%s", final.step, local)
             else:
-                logger.info("final checkpoint (step %s) durable %.1f s before the release",
-                            final.step, final.deadline_unix - final.durable_unix)
+                logger.info("final checkpoint (step %s) durable %.1f s before the release%s",
+                            final.step, final.deadline_unix - final.durable_unix, local)
         elif lead is not None and lead <= 0:
             final.reported = True
             logger.error("final checkpoint (step %s) was NOT durable before the release: "
@@ -425,6 +488,10 @@ class CheckpointGuard:
         elif state != "degraded" and self._warned_upload == "degraded":
             logger.info("checkpoint uploads work again")
             self._warned_upload = state
+
+
+def _in(remaining_seconds: Optional[float]) -> str:
+    return "" if remaining_seconds is None else f" in {remaining_seconds:.0f} s"
 
 
 @dataclass

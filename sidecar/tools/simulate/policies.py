@@ -169,6 +169,7 @@ class SidecarPolicy:
             clock=self._now,
             monotonic=self._now,
             environ={},
+            wait_for_release=False,  # the engine counts the time after the stop as idle
         )
 
     def _now(self) -> float:
