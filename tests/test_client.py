@@ -1076,3 +1076,30 @@ def test_reduced_values_drive_the_decision() -> None:
     assert decision is not None
     assert decision.remaining_seconds == 140.0
     assert decision.budget_seconds == pytest.approx(20 + 5 + 120)
+
+
+def test_guard_state_travels_with_the_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
+    """What the guard learned is plain JSON that seeds a new guard after a resume: its
+    first decision uses the measured save, not the 60 s default."""
+    dead = SidecarClient(f"http://127.0.0.1:{closed_port()}")
+    before = simple_guard(dead, policy=SavePolicy(save_seconds=60.0))
+    for seconds in (3.0, 4.0):
+        before.record_step(seconds)
+    before.record_save(240.0, started_unix=1000.0)  # a 4-minute save
+    state = json.loads(json.dumps(before.state_dict()))
+    assert state["policy"] == {"steps": [3.0, 4.0], "saves": [240.0]}
+
+    after = simple_guard(dead, policy=SavePolicy(save_seconds=60.0))
+    assert after.policy.save_estimate() == 60.0
+    assert after.load_state_dict(state) is True
+    assert after.policy.step_estimate() == 4.0
+    assert after.policy.save_estimate() == pytest.approx(240.0 * 1.2)
+
+    caplog.set_level(logging.WARNING, logger="sidecar.train.guard")
+    for bad in (None, [], {"version": 99}, {"version": 1, "policy": {"steps": ["x"]}},
+                {"version": 1, "policy": {"saves": [-1.0]}},
+                {"version": 1, "policy": {}, "upload_seconds": float("nan")}):
+        fresh = simple_guard(dead)
+        assert fresh.load_state_dict(bad) is False
+        assert fresh.policy.step_estimate() is None and fresh.policy.save_estimate() == 60.0
+    assert sum("ignoring the saved guard state" in r.getMessage() for r in caplog.records) == 6

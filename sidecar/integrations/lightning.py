@@ -86,6 +86,7 @@ class _EsiLightningLogic:
         self.last_checkpoint_path: Optional[str] = None
         self.saves = 0
         self.stopped = False
+        self._restored: Optional[dict[str, Any]] = None  # guard state from a checkpoint
 
     def _guard(self) -> CheckpointGuard:
         if self.guard is None:
@@ -103,8 +104,20 @@ class _EsiLightningLogic:
         # Inside trainer.fit(), after the strategy set up torch.distributed: the reducer
         # is found now. A guard passed in is checked (a warning when it cannot agree).
         self.guard = callback_guard(self.guard, self.policy, self._guard_options)
+        if self._restored is not None:
+            self.guard.load_state_dict(self._restored)  # what it learned before the resume
+            self._restored = None
         self._since = None
         self._decided_step = trainer.global_step
+
+    # Lightning keeps a callback's state_dict in every checkpoint it writes and hands it
+    # back before training starts when fit(ckpt_path=...) resumes: step and save times
+    # travel with the checkpoint.
+    def state_dict(self) -> dict[str, Any]:
+        return {"guard": self._guard().state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("guard")
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int

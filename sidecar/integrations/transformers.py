@@ -47,10 +47,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
+from sidecar.train.durable import replace_atomically
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
-__all__ = ["EsiCheckpointCallback", "latest_complete_checkpoint"]
+__all__ = ["GUARD_STATE_FILE", "EsiCheckpointCallback", "latest_complete_checkpoint"]
+
+# Kept in each checkpoint-N folder the Trainer writes: what the guard learned (step and
+# save times, the upload estimate), loaded again when training resumes from that folder.
+GUARD_STATE_FILE = "esi_sidecar_guard.json"
 
 log = logging.getLogger("sidecar.integrations.transformers")
 
@@ -112,6 +117,7 @@ class _EsiCallbackLogic:
         self.saves_requested = 0
         self.saves_recorded = 0
         self.stopped = False
+        self.restored_from: Optional[str] = None  # the guard state file loaded at train begin
 
     def _guard(self) -> CheckpointGuard:
         if self.guard is None:
@@ -125,6 +131,16 @@ class _EsiCallbackLogic:
         self.guard = callback_guard(self.guard, self.policy, self._guard_options)
         self._since = None
         self._decided_at = None
+        # Resumed from checkpoint-N: seed the guard with what it had learned by then.
+        saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / GUARD_STATE_FILE
+        if state.global_step > 0 and saved.is_file():
+            try:
+                loaded = json.loads(saved.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring %s: %s", saved, exc)
+            else:
+                if self.guard.load_state_dict(loaded):
+                    self.restored_from = str(saved)
         return control
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -151,6 +167,16 @@ class _EsiCallbackLogic:
             # The guard dates the save's start on its own wall clock (now - seconds).
             guard.record_save(max(0.0, now - self._decided_at), step=state.global_step)
             self.saves_recorded += 1
+        if state.is_world_process_zero:
+            # Step and save times travel with the checkpoint the Trainer just wrote.
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                try:
+                    replace_atomically(folder / GUARD_STATE_FILE,
+                                       json.dumps(guard.state_dict()).encode(),
+                                       f".{GUARD_STATE_FILE}.tmp")
+                except OSError as exc:
+                    log.warning("could not keep the guard state in %s: %s", folder, exc)
         self._decided_at = None
         self._since = now  # the save is not part of the next step
         if self.stop_after_save and guard.should_stop():

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Protocol, TypeVar
 
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DeadlineTracker
-from sidecar.train.policy import PolicyDecision, SavePolicy
+from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
 
 __all__ = [
     "EXIT_RELEASED",
@@ -63,6 +63,7 @@ UNKNOWN_UPLOAD = -1.0  # reduced with MAX: the slowest node's upload counts
 # The exit status for a job that left its loop because the machine is being released
 # (BSD's EX_TEMPFAIL): not a crash; resume on the next machine.
 EXIT_RELEASED = 75
+STATE_VERSION = 1  # of state_dict()
 
 
 class Reducer(Protocol):
@@ -177,6 +178,7 @@ class CheckpointGuard:
         self.wait_for_release = wait_for_release
         self._sleep = sleep
         self.released = False  # should_stop() returned True because the release came
+        self._upload_fallback: Optional[float] = None  # from load_state_dict()
         self._warned_internal = False
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
@@ -290,6 +292,38 @@ class CheckpointGuard:
             if uploads and step is None:
                 logger.warning("the final checkpoint was saved without a step number "
                                "(guard.saving(step=N)): its upload cannot be followed")
+
+    # ------------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, object]:
+        """What the guard learned, plain JSON, to keep in the checkpoint: recent step and
+        save times, and the last upload estimate. :meth:`load_state_dict` after a resume
+        makes the first deadline on the next machine meet measured values, not the 60 s
+        default (the HF and Lightning callbacks do both by themselves)."""
+        return {
+            "version": STATE_VERSION,
+            "policy": self.policy.state_dict(),
+            "upload_seconds": self._tracker.upload_seconds or self._upload_fallback,
+        }
+
+    def load_state_dict(self, state: object) -> bool:
+        """Seed the guard from :meth:`state_dict`; False (and one warning) when ``state``
+        is not one: a resume never fails because of it."""
+        try:
+            if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+                raise ValueError(f"not a guard state of version {STATE_VERSION}")
+            policy = state.get("policy", {})
+            if not isinstance(policy, Mapping):
+                raise ValueError("policy must be a mapping")
+            upload = state.get("upload_seconds")
+            if upload is not None:
+                upload = check_seconds("upload_seconds", upload)
+            self.policy.load_state_dict(policy)
+        except (ValueError, TypeError) as exc:
+            logger.warning("ignoring the saved guard state: %s", exc)
+            return False
+        self._upload_fallback = upload
+        return True
 
     # ------------------------------------------------------------------ deciding
 
@@ -453,6 +487,8 @@ class CheckpointGuard:
         measured_save = policy.measured_save_estimate()
         covered = policy.covered_seconds(now_unix)
         upload = self._tracker.upload_seconds
+        if upload is None and self._tracker.upload_status is not None:
+            upload = self._upload_fallback  # a new uploader knows no rate yet: the saved one
         self._warn_upload_state()
         if reduce and self._reducer is not None:
             reduced = self._reducer(

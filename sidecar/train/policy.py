@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -258,6 +258,26 @@ class SavePolicy:
         # A later save never shrinks what an earlier one covers.
         if self._cover_until_unix is None or cover > self._cover_until_unix:
             self._cover_until_unix = cover
+
+    # ------------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict[str, list[float]]:
+        """The measurements (recent steps and saves), plain JSON: put it in the
+        checkpoint so that a resumed job decides with what it learned, not with guesses."""
+        return {"steps": list(self._steps), "saves": list(self._saves)}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Seed the windows from :meth:`state_dict`. ValueError naming the field on bad
+        data, before anything is changed (:meth:`CheckpointGuard.load_state_dict` turns
+        that into a warning: a resume never fails for it)."""
+        loaded = {}
+        for name in ("steps", "saves"):
+            values = state.get(name, [])
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"{name} must be a list of seconds, got {values!r}")
+            loaded[name] = [check_seconds(name, value) for value in values]
+        self._steps.extend(loaded["steps"])
+        self._saves.extend(loaded["saves"])
 
     # ------------------------------------------------------------------ estimates
 

@@ -24,6 +24,8 @@ from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
+GUARD_STATE = "guard.json"  # the guard's state_dict(), inside each checkpoint
+
 
 def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
@@ -48,6 +50,9 @@ def train(
         policy=SavePolicy(save_seconds=save_seconds, redundant_seconds=redundant_seconds),
         refresh_seconds=0.5,
     )
+    if found is not None and (found.path / GUARD_STATE).is_file():
+        # What the guard learned on the last machine (step and save times).
+        guard.load_state_dict(json.loads((found.path / GUARD_STATE).read_text()))
     last_step: Optional[int] = None
     for step in range(start, total_steps):
         with guard.step():
@@ -62,6 +67,7 @@ def train(
             started = time.time()
             with guard.saving(step), atomic_checkpoint(root, step, keep_last=3) as folder:
                 model.save(folder, step)
+                (folder / GUARD_STATE).write_text(json.dumps(guard.state_dict()))
             emit("save", step=step, seconds=time.time() - started,
                  remaining=guard.status().remaining_seconds)
         if guard.should_stop():
