@@ -56,7 +56,9 @@ def run_hf(out: Path) -> dict[str, Any]:
         max_steps=MAX_STEPS,
         per_device_train_batch_size=2,
     )
-    callback = EsiCheckpointCallback()
+    # The stop decision, agreed by both ranks, answered at once: waiting for rank 0's
+    # release (100 s ahead) is what test_release_wait.py checks.
+    callback = EsiCheckpointCallback(wait_for_release=False)
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(), callbacks=[callback])
     trainer.train()
     return {
@@ -88,7 +90,7 @@ def run_lightning(out: Path) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(64, 4, generator=generator)
     dataset = torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
-    callback = EsiCheckpointCallback(out / "ckpt")
+    callback = EsiCheckpointCallback(out / "ckpt", wait_for_release=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -113,10 +113,12 @@ def train(
         callback = EsiCheckpointCallback(
             tmp_path / "ckpt", stop_after_save=stop,
             policy=policy, client=SidecarClient(url), clock=clock,
+            wait_for_release=False,  # the simulated clock moves only with steps
         )
         assert callback.guard is None  # built in on_train_start, inside fit()
     else:
-        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock)
+        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock,
+                                wait_for_release=False)
         callback = EsiCheckpointCallback(tmp_path / "ckpt", guard=guard, stop_after_save=stop)
     trainer = make_trainer(tmp_path, MAX_STEPS, [callback], accumulate=accumulate,
                            plugins=plugins)
@@ -164,10 +166,30 @@ def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float
     _trainer, callback = train(tmp_path, url, base_unix)
     assert callback.last_checkpoint_path is not None
 
+    # The guard's measurements travel in the checkpoint's callback state...
+    saved = torch.load(callback.last_checkpoint_path, weights_only=False)["callbacks"]
+    (state,) = [v for v in saved.values() if isinstance(v, dict) and "guard" in v]
+    learned = state["guard"]["policy"]
+    assert len(learned["steps"]) == EXPECTED_SAVE_STEP
+
+    # ...and seed the guard of the resumed run before its first decision.
+    from sidecar.integrations.lightning import EsiCheckpointCallback
+
+    seen: list[int] = []
+    fresh = EsiCheckpointCallback(tmp_path / "resumed-ckpt", client=SidecarClient(url),
+                                  wait_for_release=False)
     model = TinyModule()
-    resumed = make_trainer(tmp_path / "resumed", EXPECTED_SAVE_STEP + 3, [])
+    resumed = make_trainer(tmp_path / "resumed", EXPECTED_SAVE_STEP + 3, [fresh])
+    original = fresh.on_train_start
+
+    def spy(trainer: Any, pl_module: Any) -> None:
+        original(trainer, pl_module)
+        seen.append(len(fresh.guard.policy.state_dict()["steps"]))
+
+    fresh.on_train_start = spy  # type: ignore[method-assign]
     resumed.fit(model, train_dataloaders=loader(), ckpt_path=callback.last_checkpoint_path)
     assert resumed.global_step == EXPECTED_SAVE_STEP + 3
+    assert seen == [EXPECTED_SAVE_STEP]
 
 
 def test_callback_class_is_built_lazily() -> None:
@@ -321,7 +343,8 @@ POLICY_WORKER = textwrap.dedent(
     out, result = sys.argv[1], sys.argv[2]
     # Built BEFORE fit(), before the process group exists: the user's usual order.
     callback = EsiCheckpointCallback(
-        os.path.join(out, "ckpt"), policy=SavePolicy(save_seconds=60, redundant_seconds=500)
+        os.path.join(out, "ckpt"), policy=SavePolicy(save_seconds=60, redundant_seconds=500),
+        wait_for_release=False,
     )
     assert not dist.is_initialized() and callback.guard is None
     inputs = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))

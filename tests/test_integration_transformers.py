@@ -9,6 +9,7 @@ The Trainer's own saving is off (save_strategy="no"), so checkpoint-9 can only b
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,16 @@ def train(
 
     policy = SavePolicy(save_seconds=30, redundant_seconds=40)
     if by_policy:
+        # The simulated clock only moves with training steps: the guard answers the stop
+        # at once rather than wait for the release (test_release_wait.py covers the wait).
         callback = EsiCheckpointCallback(
-            stop_after_save=stop_after_save, policy=policy, client=SidecarClient(url), clock=clock
+            stop_after_save=stop_after_save, policy=policy, client=SidecarClient(url),
+            clock=clock, wait_for_release=False,
         )
         assert callback.guard is None  # built in on_train_begin
     else:
-        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock)
+        guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock,
+                                wait_for_release=False)
         callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -158,6 +163,8 @@ def test_without_stop_trains_on_and_still_saves_once(
 def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float]) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+    from sidecar.integrations.transformers import GUARD_STATE_FILE, EsiCheckpointCallback
+
     url, base_unix = daemon_url
     train(tmp_path, url, base_unix, stop_after_save=True)
     checkpoint = tmp_path / "out" / f"checkpoint-{EXPECTED_SAVE_STEP}"
@@ -175,9 +182,16 @@ def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float
         max_steps=EXPECTED_SAVE_STEP + 2,
         per_device_train_batch_size=2,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset())
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    saved = json.loads((checkpoint / GUARD_STATE_FILE).read_text())
+    assert len(saved["policy"]["steps"]) == EXPECTED_SAVE_STEP  # travels with checkpoint-N
+    # The resumed run's callback reads it from the folder it resumes from.
+    fresh = EsiCheckpointCallback(client=SidecarClient(url), wait_for_release=False)
+    resumed_from = tmp_path / "resumed" / checkpoint.name
+    shutil.copytree(checkpoint, resumed_from)
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(), callbacks=[fresh])
+    trainer.train(resume_from_checkpoint=str(resumed_from))
     assert trainer.state.global_step == EXPECTED_SAVE_STEP + 2
+    assert fresh.restored_from == str(resumed_from / GUARD_STATE_FILE)
 
 
 def test_importing_the_module_does_not_import_transformers_classes() -> None:
