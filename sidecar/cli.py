@@ -217,32 +217,36 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     """Fetch the newest complete remote checkpoint into a folder (docs/upload.md)."""
     from sidecar.host.settings import RESTORE_FLAGS, ConfigError, load_settings, storage_options
+    from sidecar.host.upload.location import parse_destination  # standard library only
+    from sidecar.host.upload.volume import RestoreError, restore_from_volume
 
-    try:
-        from sidecar.host.upload.location import parse_s3_url
-        from sidecar.host.upload.restore import RestoreError, restore
-        from sidecar.host.upload.storage import StorageConfig
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): "
-              "pip install 'esi-sidecar[upload]'", file=sys.stderr)
-        return EXIT_USAGE
     try:
         settings = load_settings(vars(args), flags=RESTORE_FLAGS)
     except ConfigError as exc:
         print(f"esi-sidecar restore: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if settings.upload_to is None or settings.upload_from is None:
-        print("esi-sidecar restore: give --from s3://BUCKET/PREFIX and --to DIR (or set "
-              "ESI_SIDECAR_UPLOAD_TO and ESI_SIDECAR_UPLOAD_FROM)", file=sys.stderr)
+        print("esi-sidecar restore: give --from s3://BUCKET/PREFIX (or file:///PATH) and --to "
+              "DIR (or set ESI_SIDECAR_UPLOAD_TO and ESI_SIDECAR_UPLOAD_FROM)", file=sys.stderr)
         return EXIT_USAGE
-    location = parse_s3_url(settings.upload_to)
-    target = settings.upload_from
-    storage = StorageConfig(**storage_options(settings))
+    where = parse_destination(settings.upload_to)
+    target = Path(settings.upload_from)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        restored = restore(storage, location, Path(target), step=args.step,
-                           verify_checksums=not args.no_verify)
+        if isinstance(where, Path):  # a mounted volume: no boto3 needed
+            restored = restore_from_volume(where, target, step=args.step,
+                                           verify_checksums=not args.no_verify)
+        else:
+            try:
+                from sidecar.host.upload.restore import restore
+                from sidecar.host.upload.storage import StorageConfig
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): "
+                      "pip install 'esi-sidecar[upload]'", file=sys.stderr)
+                return EXIT_USAGE
+            restored = restore(StorageConfig(**storage_options(settings)), where, target,
+                               step=args.step, verify_checksums=not args.no_verify)
     except RestoreError as exc:
         print(f"esi-sidecar restore: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -374,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     restore = commands.add_parser(
         "restore",
-        help="download the newest complete checkpoint from S3 / TOS (needs boto3)",
+        help="fetch the newest complete checkpoint from S3 / TOS or a mounted volume",
         description="Fetch the newest remote checkpoint whose MANIFEST.json exists (the "
         "uploader writes it last), verify every file against it and commit it into DIR so "
         "latest_valid(DIR) finds it. Credentials: ESI_SIDECAR_UPLOAD_ACCESS_KEY/_SECRET_KEY "

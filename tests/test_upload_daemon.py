@@ -30,8 +30,9 @@ from test_upload_support import (
 )
 
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.restore import EXIT_NOTHING, RestoreError, restore
+from sidecar.host.upload.restore import restore
 from sidecar.host.upload.uploader import MARKER_NAME
+from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
 from sidecar.train.checkpoint import latest_valid
 from sidecar.train.client import SidecarClient
 

@@ -19,8 +19,9 @@ from test_upload_support import (
 
 from sidecar.cli import main
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.restore import EXIT_NOTHING, RestoreError, restore
+from sidecar.host.upload.restore import restore
 from sidecar.host.upload.transfer import upload_checkpoint
+from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
 from sidecar.train.checkpoint import LATEST_NAME, latest_valid
 
 

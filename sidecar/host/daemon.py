@@ -89,22 +89,26 @@ def build_daemon(settings: Settings) -> Daemon:
 def _build_uploader(settings: Settings, store: Store) -> Any:
     """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
     a daemon without upload settings never loads boto3."""
-    from sidecar.host.upload.location import parse_s3_url
+    from sidecar.host.upload.location import parse_destination
     from sidecar.host.upload.storage import StorageConfig
     from sidecar.host.upload.uploader import Uploader, UploaderConfig
+    from sidecar.host.upload.volume import VolumeDestination
 
     def remaining_seconds() -> Optional[float]:
         return store.expiry().remaining_seconds
 
+    where = parse_destination(settings.upload_to or "")
+    storage = StorageConfig(**storage_options(settings))
     config = UploaderConfig(
         root=Path(settings.upload_from or "."),
-        location=parse_s3_url(settings.upload_to or ""),
-        storage=StorageConfig(**storage_options(settings)),
+        location=None if isinstance(where, Path) else where,
+        storage=storage,
         keep_local=settings.upload_keep_local,
         near_release_seconds=settings.upload_near_release,
         scan_interval_seconds=settings.upload_scan_interval,
     )
-    return Uploader(config, remaining_seconds=remaining_seconds)
+    volume = VolumeDestination(where, storage.max_bandwidth) if isinstance(where, Path) else None
+    return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
 
 
 async def _announce_ready(poller: Poller, store: Store) -> None:

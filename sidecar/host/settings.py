@@ -176,10 +176,11 @@ def _bandwidth(text: str) -> int:
     return value
 
 
-def _s3_url(text: str) -> str:
-    from sidecar.host.upload.location import parse_s3_url  # standard library only
+def _destination(text: str) -> str:
+    from sidecar.host.upload.location import parse_destination  # standard library only
 
-    return parse_s3_url(text).url
+    parsed = parse_destination(text)
+    return parsed.as_uri() if isinstance(parsed, Path) else parsed.url
 
 
 def _addressing_style(text: str) -> str:
@@ -270,8 +271,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
            "DIR"),
-    Option("upload_to", _s3_url, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 or "
-           "Volcengine TOS (one prefix per uploading host)", "s3://BUCKET/PREFIX"),
+    Option("upload_to", _destination, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 "
+           "or Volcengine TOS, or file:///PATH on a mounted network volume (vePFS, NAS, NFS); "
+           "one prefix or folder per uploading host", "URL"),
     Option("upload_endpoint", _url, "S3 endpoint, e.g. https://tos-s3-cn-beijing.volces.com "
            "for TOS (default: AWS S3)", "URL"),
     Option("upload_region", _text, "signing region for the upload (default: from a TOS "

@@ -1,4 +1,5 @@
-"""Where checkpoints go: ``s3://bucket/prefix`` and the key layout (standard library only).
+"""Where checkpoints go: ``s3://bucket/prefix`` and its key layout, or ``file:///mounted/volume``
+(standard library only).
 
 A local checkpoint folder ``root/step_00000100/`` becomes the remote folder
 ``prefix/step_00000100/`` holding the same relative paths, and ``MANIFEST.json`` is
@@ -8,11 +9,14 @@ uploaded last: a remote checkpoint is complete if and only if its manifest exist
 from __future__ import annotations
 
 import re
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
 
 from sidecar.train.manifest import MANIFEST_NAME
 
-__all__ = ["S3Location", "parse_s3_url"]
+__all__ = ["S3Location", "parse_destination", "parse_s3_url", "parse_volume_url"]
 
 # S3's rules, loosely: 3-63 characters, lower case, digits, dots and hyphens. TOS follows
 # the same rules. Checked here so a typo stops start-up instead of every upload.
@@ -60,3 +64,28 @@ def parse_s3_url(text: str) -> S3Location:
     if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
         raise ValueError(f"the prefix has an empty, '.' or '..' part: {prefix!r}")
     return S3Location(bucket, prefix)
+
+
+def parse_volume_url(text: str) -> Path:
+    """``file:///mnt/share/run-42`` -> the absolute path of a mounted volume's folder."""
+    text = text.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() != "file":
+        raise ValueError("expected file:///ABSOLUTE/PATH")
+    host, slash, path = rest.partition("/")
+    if host not in ("", "localhost") or not slash:
+        raise ValueError("a file:// URL names a folder on this host: file:///mnt/share/run")
+    folder = Path("/" + urllib.parse.unquote(path)).resolve()
+    if folder == Path("/"):
+        raise ValueError("not the root folder: name the run's folder on the volume")
+    return folder
+
+
+def parse_destination(text: str) -> Union[S3Location, Path]:
+    """``s3://...`` (S3 / TOS) or ``file:///...`` (a mounted volume); ValueError otherwise."""
+    if text.strip().lower().startswith("file:"):
+        return parse_volume_url(text)
+    try:
+        return parse_s3_url(text)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or file:///PATH for a mounted volume") from None

@@ -27,32 +27,23 @@ from sidecar.host.upload.transfer import (
     parse_manifest,
     read_remote_manifest,
 )
-from sidecar.train.checkpoint import (
-    LATEST_NAME,
-    CheckpointError,
-    clean_leftovers,
-    latest_valid,
-    validate,
+from sidecar.host.upload.volume import (
+    EXIT_NOTHING,
+    Restored,
+    RestoreError,
+    already_there,
+    point_latest,
 )
-from sidecar.train.durable import fsync_path, replace_atomically, sync_tree, write_durably
+from sidecar.train.checkpoint import CheckpointError, clean_leftovers, validate
+from sidecar.train.durable import fsync_path, sync_tree, write_durably
 from sidecar.train.leftovers import writer_tag  # named like a save's leftovers, cleaned alike
 from sidecar.train.manifest import MANIFEST_NAME, CheckpointInfo, Invalid, check_files
 
-__all__ = ["EXIT_FAILED", "EXIT_NOTHING", "RestoreError", "Restored", "find_complete", "restore"]
+__all__ = ["find_complete", "restore"]
 
 log = logging.getLogger("sidecar.host.upload.restore")
 
-EXIT_FAILED = 1
-EXIT_NOTHING = 3  # no complete checkpoint: a fresh start, not an error, for a start script
 _TRAILING_NUMBER = re.compile(r"(\d+)$")
-
-
-class RestoreError(Exception):
-    """One line for the user; ``exit_code`` for the command."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -60,14 +51,6 @@ class RemoteCheckpoint:
     name: str
     manifest: bytes
     info: CheckpointInfo  # path is the remote folder's name; files as listed
-
-
-@dataclass(frozen=True)
-class Restored:
-    info: CheckpointInfo  # the local, validated checkpoint
-    source: str  # s3://bucket/prefix/name/
-    seconds: float
-    already_present: bool
 
 
 def _name_step(name: str) -> int:
@@ -150,7 +133,7 @@ def restore(
     root.mkdir(parents=True, exist_ok=True)
     target = root / found.name
     if os.path.lexists(target):
-        return _already_there(found, target, source, started)
+        return already_there(target, found.manifest, source, started)
     clean_leftovers(root)
     temp = root / f".tmp-{found.name}.{writer_tag()}.{os.urandom(4).hex()}"
     temp.mkdir()
@@ -170,26 +153,9 @@ def restore(
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    newest = latest_valid(root, clean=False)
-    if newest is not None and newest.name == found.name:
-        replace_atomically(root / LATEST_NAME, f"{found.name}\n".encode(),
-                           temp_name=f".tmp-{LATEST_NAME}.{writer_tag()}.{os.urandom(4).hex()}")
+    point_latest(root, found.name)
     try:
         info = validate(target)
     except CheckpointError as exc:  # pragma: no cover - checked before the rename
         raise RestoreError(str(exc)) from None
     return Restored(info, source, time.monotonic() - started, already_present=False)
-
-
-def _already_there(found: RemoteCheckpoint, target: Path, source: str, started: float) -> Restored:
-    try:
-        same = (target / MANIFEST_NAME).read_bytes() == found.manifest
-        info = validate(target) if same else None
-    except (OSError, CheckpointError):
-        info = None
-    if info is None:
-        raise RestoreError(
-            f"{target} already exists and is not the same checkpoint as {source}: move it "
-            "away or restore into another folder"
-        )
-    return Restored(info, source, time.monotonic() - started, already_present=True)

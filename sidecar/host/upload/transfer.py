@@ -11,6 +11,7 @@ which restore never takes for a checkpoint.
 from __future__ import annotations
 
 import hashlib
+import logging
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -23,11 +24,21 @@ from botocore.exceptions import ClientError
 from s3transfer.subscribers import BaseSubscriber
 
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.storage import StorageConfig, StorageError, is_not_found, transfer_config
+from sidecar.host.upload.storage import (
+    StorageConfig,
+    StorageError,
+    describe_error,
+    is_not_found,
+    transfer_config,
+)
+from sidecar.host.upload.volume import Cancelled  # one class for both destinations
 from sidecar.train.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, Invalid, read_manifest
+
+log = logging.getLogger("sidecar.host.upload.transfer")
 
 __all__ = [
     "Cancelled",
+    "S3Destination",
     "download_files",
     "list_remote_names",
     "parse_manifest",
@@ -46,10 +57,6 @@ _phase_hook: Optional[Callable[[str, Any], None]] = None
 def _phase(name: str, detail: Any = None) -> None:
     if _phase_hook is not None:
         _phase_hook(name, detail)
-
-
-class Cancelled(Exception):
-    """The upload was stopped on purpose (daemon stopping, yielding to a newer one)."""
 
 
 class _Progress(BaseSubscriber):
@@ -226,3 +233,73 @@ def download_files(
         ]
 
     _run_transfers(client, storage, submit, on_progress, should_stop)
+
+
+class S3Destination:
+    """The uploader's destination in S3 / TOS (a ``VolumeDestination`` is the other kind):
+    one boto3 client, made on first use and again after a failure."""
+
+    def __init__(self, storage: StorageConfig, location: S3Location,
+                 client_factory: Callable[[StorageConfig], Any]) -> None:
+        self.storage = storage
+        self.location = location
+        self._client_factory = client_factory
+        self._client: Optional[Any] = None
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    @property
+    def endpoint(self) -> Optional[str]:
+        return self.storage.endpoint
+
+    @property
+    def where(self) -> str:
+        return self.storage.where
+
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = self._client_factory(self.storage)
+        return self._client
+
+    def prepare(self, started_at_unix: float) -> None:
+        """Abort multipart uploads under our prefix begun before this start: a killed
+        daemon's. They are invisible to readers but cost storage until aborted."""
+        client = self.client()
+        location = self.location
+        paginator = client.get_paginator("list_multipart_uploads")
+        aborted = 0
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.listing_prefix):
+            for upload in page.get("Uploads", []) or []:
+                initiated = upload.get("Initiated")
+                if initiated is not None and initiated.timestamp() >= started_at_unix:
+                    continue
+                client.abort_multipart_upload(
+                    Bucket=location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+                aborted += 1
+        if aborted:
+            log.info("aborted %d unfinished multipart upload(s) under %s", aborted, location)
+
+    def remote_manifest(self, name: str) -> Optional[bytes]:
+        return read_remote_manifest(self.client(), self.location, name)
+
+    def upload(
+        self,
+        info: CheckpointInfo,
+        manifest: bytes,
+        *,
+        on_progress: Callable[[int], None],
+        should_stop: Callable[[], Optional[str]],
+        before_manifest: Callable[[], None],
+    ) -> None:
+        upload_checkpoint(self.client(), self.storage, self.location, info, manifest,
+                          on_progress=on_progress, should_stop=should_stop,
+                          before_manifest=before_manifest)
+
+    def describe_error(self, exc: BaseException, doing: str) -> str:
+        return describe_error(exc, self.storage, doing)
+
+    def reset(self) -> None:
+        self._client = None  # a fresh client (and connection pool) for the next attempt

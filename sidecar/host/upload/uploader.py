@@ -30,22 +30,44 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.status import UploadRecord, UploadTracker
-from sidecar.host.upload.storage import StorageConfig, describe_error, make_client
-from sidecar.host.upload.transfer import (
-    Cancelled,
-    manifest_digest,
-    read_remote_manifest,
-    upload_checkpoint,
-)
+from sidecar.host.upload.storage import StorageConfig, make_client
+from sidecar.host.upload.transfer import S3Destination, manifest_digest
+from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
 from sidecar.train.checkpoint import CheckpointInfo, list_checkpoints, prune
 from sidecar.train.manifest import MANIFEST_NAME, UPLOADING_MARKER
 
-__all__ = ["MARKER_NAME", "Uploader", "UploaderConfig"]
+__all__ = ["MARKER_NAME", "Destination", "Uploader", "UploaderConfig"]
+
+
+class Destination(Protocol):
+    """Where complete checkpoints go: S3 / TOS (``transfer.S3Destination``) or a mounted
+    volume (``volume.VolumeDestination``). Each keeps the manifest-last guarantee."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def endpoint(self) -> Optional[str]: ...
+
+    @property
+    def where(self) -> str: ...
+
+    def prepare(self, started_at_unix: float) -> None: ...
+
+    def remote_manifest(self, name: str) -> Optional[bytes]: ...
+
+    def upload(self, info: CheckpointInfo, manifest: bytes, *,
+               on_progress: Callable[[int], None], should_stop: Callable[[], Optional[str]],
+               before_manifest: Callable[[], None]) -> None: ...
+
+    def describe_error(self, exc: BaseException, doing: str) -> str: ...
+
+    def reset(self) -> None: ...
 
 log = logging.getLogger("sidecar.host.upload")
 
@@ -59,7 +81,7 @@ _GONE = "the local checkpoint is gone"
 @dataclass(frozen=True)
 class UploaderConfig:
     root: Path
-    location: S3Location
+    location: Optional[S3Location]  # None when the destination is given (a mounted volume)
     storage: StorageConfig = field(default_factory=StorageConfig)
     keep_local: Optional[int] = None  # prune durable checkpoints beyond the N newest
     near_release_seconds: float = 600.0
@@ -83,17 +105,22 @@ class Uploader:
         remaining_seconds: Callable[[], Optional[float]] = lambda: None,
         client_factory: Callable[[StorageConfig], Any] = make_client,
         clock: Callable[[], float] = time.time,
+        destination: Optional[Destination] = None,
     ) -> None:
         self.config = config
+        # S3 / TOS from the config unless another destination (a mounted volume) is given.
+        if destination is None:
+            if config.location is None:
+                raise ValueError("an S3 location or a destination is needed")
+            destination = S3Destination(config.storage, config.location, client_factory)
+        self.destination: Destination = destination
         self.tracker = tracker or UploadTracker(
-            source=str(config.root), destination=config.location.url,
-            endpoint=config.storage.endpoint, max_bandwidth=config.storage.max_bandwidth,
+            source=str(config.root), destination=self.destination.url,
+            endpoint=self.destination.endpoint, max_bandwidth=config.storage.max_bandwidth,
             clock=clock,
         )
         self._remaining = remaining_seconds
-        self._client_factory = client_factory
         self._clock = clock
-        self._client: Optional[Any] = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -113,7 +140,7 @@ class Uploader:
         self._thread = threading.Thread(target=self._run, name="esi-sidecar-upload", daemon=True)
         self._thread.start()
         log.info("uploading complete checkpoints from %s to %s (%s)", self.config.root,
-                 self.config.location, self.config.storage.where)
+                 self.destination.url, self.destination.where)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop soon: an upload in progress is cancelled (it restarts on the next start).
@@ -162,10 +189,10 @@ class Uploader:
             return min(self.config.scan_interval_seconds, self._storage_retry_at - now)
         if not self._prepared:
             try:
-                self._abort_leftover_multipart_uploads()
+                self.destination.prepare(self._started_at)
+                self.tracker.storage_ok()
             except Exception as exc:
-                self._failed(None, describe_error(exc, self.config.storage,
-                                                  "listing unfinished uploads"))
+                self._failed(None, self.destination.describe_error(exc, "preparing"))
                 return 0.0
             self._prepared = True
         record = self._next()
@@ -240,11 +267,6 @@ class Uploader:
 
     # ------------------------------------------------------------------ one attempt
 
-    def _client_or_new(self) -> Any:
-        if self._client is None:
-            self._client = self._client_factory(self.config.storage)
-        return self._client
-
     def _attempt(self, record: UploadRecord) -> None:
         folder = self.config.root / record.name
         try:
@@ -265,19 +287,18 @@ class Uploader:
         started = time.monotonic()
         pinned = self._pin(folder)
         try:
-            client = self._client_or_new()
-            remote = read_remote_manifest(client, self.config.location, record.name)
+            remote = self.destination.remote_manifest(record.name)
             self.tracker.storage_ok()
             if remote == raw:
                 self.tracker.record_done(record.name, duration=None,
                                          note="already complete in storage")
-                log.info("%s is already complete in %s", record.name, self.config.location)
+                log.info("%s is already complete in %s", record.name, self.destination.url)
             else:
-                self._upload(client, record, info, raw, folder, inode)
+                self._upload(record, info, raw, folder, inode)
                 duration = time.monotonic() - started
                 self.tracker.record_done(record.name, duration=duration, note=None)
                 log.info("uploaded %s (%d bytes, %d files) to %s in %.1f s", record.name,
-                         info.total_bytes, len(info.files), self.config.location, duration)
+                         info.total_bytes, len(info.files), self.destination.url, duration)
         except Cancelled as exc:
             self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
             log.info("upload of %s stopped: %s", record.name, exc)
@@ -285,8 +306,8 @@ class Uploader:
             self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
             log.info("upload of %s restarts: %s", record.name, exc)
         except Exception as exc:
-            self._failed(record.name, describe_error(exc, self.config.storage,
-                                                     f"uploading {record.name}"))
+            self._failed(record.name,
+                         self.destination.describe_error(exc, f"uploading {record.name}"))
         finally:
             if pinned:
                 self._unpin(folder)
@@ -295,7 +316,7 @@ class Uploader:
         if after is not None and after.state == "done":
             self._keep_local()
 
-    def _upload(self, client: Any, record: UploadRecord, info: CheckpointInfo, raw: bytes,
+    def _upload(self, record: UploadRecord, info: CheckpointInfo, raw: bytes,
                 folder: Path, inode: int) -> None:
         def unchanged() -> None:
             try:
@@ -306,8 +327,8 @@ class Uploader:
             if not same:
                 raise _Stale("the local checkpoint was replaced or removed during the upload")
 
-        upload_checkpoint(
-            client, self.config.storage, self.config.location, info, raw,
+        self.destination.upload(
+            info, raw,
             on_progress=lambda count: self.tracker.add_progress(record.name, count),
             should_stop=lambda: self._should_yield(record),
             before_manifest=unchanged,
@@ -342,30 +363,8 @@ class Uploader:
         if name is not None:
             self.tracker.update(name, retry_at_unix=retry_at)
         self._storage_retry_at = retry_at
-        self._client = None  # a fresh client (and connection pool) for the next attempt
+        self.destination.reset()
         log.warning("%s; retrying in %.1f s (failure %d in a row)", message, delay, failures)
-
-    # ------------------------------------------------------------------ storage chores
-
-    def _abort_leftover_multipart_uploads(self) -> None:
-        """Abort multipart uploads under our prefix begun before this start: a killed
-        daemon's. They are invisible to readers but cost storage until aborted."""
-        client = self._client_or_new()
-        location = self.config.location
-        paginator = client.get_paginator("list_multipart_uploads")
-        aborted = 0
-        for page in paginator.paginate(Bucket=location.bucket, Prefix=location.listing_prefix):
-            for upload in page.get("Uploads", []) or []:
-                initiated = upload.get("Initiated")
-                if initiated is not None and initiated.timestamp() >= self._started_at:
-                    continue
-                client.abort_multipart_upload(
-                    Bucket=location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
-                )
-                aborted += 1
-        self.tracker.storage_ok()
-        if aborted:
-            log.info("aborted %d unfinished multipart upload(s) under %s", aborted, location)
 
     # ------------------------------------------------------------------ local chores
 

@@ -1,0 +1,278 @@
+"""A network volume as the destination: ``file:///mnt/share/run-42`` (vePFS, NAS, NFS mounted
+on the host). Standard library only: restore from a volume needs no boto3.
+
+The volume is laid out like a local checkpoint root (``<root>/<name>/`` with its files and
+``MANIFEST.json``), so ``latest_valid(root)`` reads it and restore copies it back. The
+guarantees are those of an upload to S3: each checkpoint is copied into a temporary
+folder named like a save's (``.tmp-<name>.<writer>.<token>``), every file fsynced, the
+manifest written last, the folder renamed into place and the root fsynced. A half-copied
+checkpoint is never visible under its name; a killed copy leaves a ``.tmp-`` folder that
+``clean_leftovers`` removes once its writer is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from sidecar.train.checkpoint import LATEST_NAME, latest_valid, list_checkpoints, validate
+from sidecar.train.durable import fsync_path, replace_atomically, sync_tree, write_durably
+from sidecar.train.leftovers import clean_leftovers, writer_tag
+from sidecar.train.manifest import (
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointInfo,
+    Invalid,
+    check_files,
+)
+
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_NOTHING",
+    "Cancelled",
+    "RestoreError",
+    "Restored",
+    "Throttle",
+    "VolumeDestination",
+    "copy_checkpoint",
+    "newest_on_volume",
+    "restore_from_volume",
+]
+
+log = logging.getLogger("sidecar.host.upload.volume")
+
+_CHUNK = 4 << 20
+
+
+class Cancelled(Exception):
+    """The copy stopped on request (``should_stop`` gave this reason)."""
+
+
+class Throttle:
+    """Keeps a transfer at or under ``bytes_per_second`` (None: no limit)."""
+
+    def __init__(self, bytes_per_second: Optional[int],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate = bytes_per_second
+        self._sleep = sleep
+        self._started = time.monotonic()
+        self._sent = 0
+
+    def __call__(self, count: int) -> None:
+        if not self.rate:
+            return
+        self._sent += count
+        ahead = self._sent / self.rate - (time.monotonic() - self._started)
+        if ahead > 0:
+            self._sleep(ahead)
+
+
+def _token() -> str:
+    return os.urandom(4).hex()
+
+
+def copy_checkpoint(
+    info: CheckpointInfo,
+    manifest: bytes,
+    target_root: Path,
+    *,
+    on_progress: Callable[[int], None] = lambda count: None,
+    should_stop: Callable[[], Optional[str]] = lambda: None,
+    before_manifest: Callable[[], None] = lambda: None,
+    max_bandwidth: Optional[int] = None,
+) -> Path:
+    """Copy the checkpoint ``info`` (a complete folder) into ``target_root/<name>`` with its
+    own ``manifest`` bytes, committed as a save is. Returns the new folder."""
+    throttle = Throttle(max_bandwidth)
+    temp = target_root / f".tmp-{info.name}.{writer_tag()}.{_token()}"
+    temp.mkdir()
+    try:
+        for entry in info.files:
+            source, target = info.path / entry.path, temp / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(source, "rb") as reader, open(target, "xb") as writer:
+                while True:
+                    reason = should_stop()
+                    if reason:
+                        raise Cancelled(reason)
+                    chunk = reader.read(_CHUNK)
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+                    on_progress(len(chunk))
+                    throttle(len(chunk))
+        before_manifest()
+        sync_tree(temp)  # every file and folder, deepest first
+        write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
+        fsync_path(temp)
+        final = target_root / info.name
+        if os.path.lexists(final):  # the same name saved again: the new one replaces it
+            old = target_root / f".old-{info.name}.{writer_tag()}.{_token()}"
+            os.rename(final, old)
+            os.rename(temp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(temp, final)
+        fsync_path(target_root)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return final
+
+
+def point_latest(root: Path, name: str) -> None:
+    """``root/latest`` names ``name`` when it is the newest valid checkpoint there."""
+    newest = latest_valid(root, clean=False)
+    if newest is not None and newest.name == name:
+        replace_atomically(root / LATEST_NAME, f"{name}\n".encode(),
+                           temp_name=f".tmp-{LATEST_NAME}.{writer_tag()}.{_token()}")
+
+
+def newest_on_volume(root: Path, step: Optional[int] = None) -> Optional[CheckpointInfo]:
+    """The newest complete checkpoint under ``root`` (or the one at ``step``)."""
+    complete: Iterable[CheckpointInfo] = (
+        listing.info for listing in list_checkpoints(root) if listing.info is not None)
+    for info in complete:  # newest first
+        if step is None or info.step == step:
+            return info
+    return None
+
+
+def describe_os_error(exc: BaseException, doing: str, where: Path) -> str:
+    if isinstance(exc, OSError):
+        reason = {errno.ENOSPC: "the volume is full", errno.EROFS: "the volume is read-only",
+                  errno.EACCES: "permission denied", errno.ENOENT: "not found (not mounted?)",
+                  }.get(exc.errno or 0, exc.strerror or str(exc))
+        return f"{doing} in {where}: {reason}"
+    return f"{doing} in {where}: {type(exc).__name__}: {exc}"
+
+
+@dataclass
+class VolumeDestination:
+    """The uploader's destination on a mounted volume (see the module's docstring)."""
+
+    root: Path
+    max_bandwidth: Optional[int] = None
+
+    @property
+    def url(self) -> str:
+        return self.root.as_uri()
+
+    @property
+    def endpoint(self) -> Optional[str]:
+        return None
+
+    @property
+    def where(self) -> str:
+        return f"volume {self.root}"
+
+    def prepare(self, started_at_unix: float) -> None:
+        """The volume must be there: creating the folder would write to the host's own
+        disk when the volume is not mounted, and that dies with the machine."""
+        if not self.root.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no such folder", str(self.root))
+        clean_leftovers(self.root)  # copies a killed daemon left half done
+
+    def remote_manifest(self, name: str) -> Optional[bytes]:
+        try:
+            return (self.root / name / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def upload(
+        self,
+        info: CheckpointInfo,
+        manifest: bytes,
+        *,
+        on_progress: Callable[[int], None],
+        should_stop: Callable[[], Optional[str]],
+        before_manifest: Callable[[], None],
+    ) -> None:
+        copy_checkpoint(info, manifest, self.root, on_progress=on_progress,
+                        should_stop=should_stop, before_manifest=before_manifest,
+                        max_bandwidth=self.max_bandwidth)
+
+    def describe_error(self, exc: BaseException, doing: str) -> str:
+        return describe_os_error(exc, doing, self.root)
+
+    def reset(self) -> None:
+        pass
+
+
+# -- restore: from a volume here, from S3 in sidecar.host.upload.restore -------------------
+
+EXIT_FAILED = 1
+EXIT_NOTHING = 3  # no complete checkpoint: a fresh start, not an error, for a start script
+
+
+class RestoreError(Exception):
+    """One line for the user; ``exit_code`` for the command."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Restored:
+    info: CheckpointInfo  # the local, validated checkpoint
+    source: str  # where it came from
+    seconds: float
+    already_present: bool
+
+
+def already_there(target: Path, manifest: bytes, source: str, started: float) -> Restored:
+    """``target`` exists: fine when it is the same checkpoint, else a clear error."""
+    try:
+        same = (target / MANIFEST_NAME).read_bytes() == manifest
+        info = validate(target) if same else None
+    except (OSError, CheckpointError):
+        info = None
+    if info is None:
+        raise RestoreError(f"{target} already exists and is not the same checkpoint as "
+                           f"{source}: move it away or restore into another folder")
+    return Restored(info, source, time.monotonic() - started, already_present=True)
+
+
+def restore_from_volume(
+    volume: Path, root: Path, *, step: Optional[int] = None, verify_checksums: bool = True
+) -> Restored:
+    """Copy the newest complete checkpoint on ``volume`` (or the one at ``step``) into
+    ``root``, committed as a save is, with the same manifest; ``latest_valid(root)``
+    then finds it. Raises :class:`RestoreError` with one line."""
+    started = time.monotonic()
+    if not volume.is_dir():
+        raise RestoreError(f"{volume}: no such folder (is the volume mounted?)")
+    try:
+        found = newest_on_volume(volume, step)
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, "listing", volume)) from None
+    if found is None:
+        which = "complete checkpoint" if step is None else f"complete checkpoint at step {step}"
+        raise RestoreError(f"no {which} in {volume}", EXIT_NOTHING)
+    source = str(found.path)
+    manifest = (found.path / MANIFEST_NAME).read_bytes()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / found.name
+    if os.path.lexists(target):
+        return already_there(target, manifest, source, started)
+    clean_leftovers(root)
+    try:
+        final = copy_checkpoint(found, manifest, root)
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
+    try:
+        check_files(validate(final), verify_checksums=verify_checksums)
+    except (Invalid, CheckpointError) as exc:
+        shutil.rmtree(final, ignore_errors=True)
+        raise RestoreError(f"the copy of {source} does not match its manifest: {exc}") \
+            from None
+    point_latest(root, found.name)
+    return Restored(validate(final), source, time.monotonic() - started, already_present=False)
