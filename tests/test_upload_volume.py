@@ -69,7 +69,8 @@ def test_the_daemon_copies_checkpoints_to_a_volume_and_restore_brings_them_back(
     assert f"restored {copied.name} (step 100" in result.stdout
     restored = latest_valid(fresh, verify_checksums=True)
     assert restored is not None and restored.step == 100
-    assert (restored.path / "model.pt").read_bytes() == (local / copied.name / "model.pt").read_bytes()
+    original = local / copied.name / "model.pt"
+    assert (restored.path / "model.pt").read_bytes() == original.read_bytes()
     assert (fresh / "latest").read_text().strip() == copied.name
     again = restore_from_volume(volume, fresh)
     assert again.already_present is True
