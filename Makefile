@@ -1,5 +1,5 @@
 # Every target creates .venv when it is missing (or when pyproject.toml changed).
-# `make demo` installs only what the demo needs (the daemon); `make test` adds torch
+# `make demo` installs only what the demo needs (the daemon and its uploader); `make test` adds torch
 # and the frameworks. The demo uses torch when it is there, a pure-Python model if not.
 PYTHON ?= python3
 VENV   := .venv
@@ -12,7 +12,7 @@ ALL    := $(VENV)/.installed-all
 $(SERVER): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[server]"
+	$(BIN)/python -m pip install --quiet -e ".[server,upload]"
 	touch $(SERVER)
 
 $(ALL): $(SERVER)

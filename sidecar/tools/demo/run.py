@@ -1,12 +1,17 @@
 """``esi-sidecar demo``: the whole story on an emulated ESI release, in about a minute.
 
 1. The Volcengine emulator starts with a release ``--lead`` seconds ahead.
-2. The real daemon (``esi-sidecar serve``, a subprocess) polls it through the real SDK.
-3. A real training process (:mod:`sidecar.tools.demo.trainer`) trains with a CheckpointGuard,
-   saves once in time through ``atomic_checkpoint``, and stops.
-4. At the release time the machine is "reclaimed": the trainer gets SIGKILL.
-5. On the "next machine" the trainer starts again, resumes from the newest valid
-   checkpoint and finishes. The summary counts the steps lost.
+2. The real daemon (``esi-sidecar serve``, a subprocess) polls it through the real SDK and
+   uploads every complete checkpoint from the machine's local disk to a folder standing
+   for a network volume, capped at ``--upload-bandwidth``.
+3. A real training process (:mod:`sidecar.tools.demo.trainer`) trains with a
+   CheckpointGuard. Its final save comes early enough for the upload too (the daemon
+   measured the upload of the routine checkpoint made at the start), and it waits.
+4. At the release the machine is reclaimed: the trainer gets SIGKILL and the local disk
+   is wiped.
+5. On the "next machine" ``esi-sidecar restore`` brings the newest durable checkpoint
+   back from the volume, and the trainer resumes from it and finishes. The summary says
+   when the final checkpoint became durable and counts the steps lost.
 
 Time constants are scaled down so the story fits in a minute (the save rule's defaults
 are 60 s save and 120 s margin; here 3 s and 5 s, with 0.5 s steps).
@@ -30,9 +35,12 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from sidecar.timeparse import parse_timestamp
+from sidecar.train.checkpoint import latest_valid
 
 __all__ = ["add_demo_command", "run_demo"]
 
+LOCAL_DISK = "local-disk"  # the machine's NVMe: gone at the release
+NETWORK_VOLUME = "network-volume"  # stands for vePFS / NAS: outlives the machine
 ACCESS_KEY = "AKLTDEMO0000000000000"
 SECRET_KEY = "demo-secret-key"
 
@@ -131,10 +139,11 @@ def _start_trainer(args: argparse.Namespace, url: str, total_steps: int, index: 
                    wait_after_stop: bool) -> Run:
     command = [
         sys.executable, "-m", "sidecar.tools.demo.trainer",
-        "--root", str(args.workdir / "checkpoints"),
+        "--root", str(args.workdir / LOCAL_DISK),
         "--total-steps", str(total_steps), "--step-seconds", str(args.step_seconds),
         "--save-seconds", str(args.save_seconds),
         "--redundant-seconds", str(args.redundant_seconds),
+        "--ballast-mb", str(args.checkpoint_mb),
     ]
     if wait_after_stop:
         command.append("--wait-after-stop")
@@ -163,8 +172,8 @@ def _progress(run: Run, total_steps: int, remaining: Optional[float]) -> str:
         parts.append(f"resumed from step {run.resumed_from + 1}")
     else:
         parts.append("checkpoint: none")
-    if run.stopped_at is not None:
-        parts.append("stopped, waiting for the reclaim")
+    if any(save.get("kind") == "final" for save in run.saves):
+        parts.append("saved; waiting for the release")
     return " | ".join(parts)
 
 
@@ -175,6 +184,9 @@ def run_demo(args: argparse.Namespace) -> int:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
+    local, volume = workdir / LOCAL_DISK, workdir / NETWORK_VOLUME
+    local.mkdir()
+    volume.mkdir()
     screen = Screen(sys.stdout)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -190,7 +202,9 @@ def run_demo(args: argparse.Namespace) -> int:
         [sys.executable, "-m", "sidecar.cli", "serve", "--source", "volcengine-esi",
          "--api-endpoint", emulator.url, "--metadata-url", emulator.url,
          "--listen", f"127.0.0.1:{port}", "--poll-interval", str(args.poll_interval),
-         "--state-file", str(workdir / "daemon-state.json")],
+         "--state-file", str(workdir / "daemon-state.json"),
+         "--upload-from", str(local), "--upload-to", volume.resolve().as_uri(),
+         "--upload-max-bandwidth", args.upload_bandwidth, "--upload-scan-interval", "0.5"],
         stdout=daemon_log, stderr=subprocess.STDOUT,
         env={**os.environ, "VOLCENGINE_ACCESS_KEY": ACCESS_KEY,
              "VOLCENGINE_SECRET_KEY": SECRET_KEY, "VOLCENGINE_ECS_METADATA_DISABLED": "true"},
@@ -208,22 +222,35 @@ def run_demo(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         expiry = _get(url + "/v1/expiry") or {}
         screen.say(f"2. Daemon on {url} sees it: {expiry.get('remaining_seconds', 0):.0f} s "
-                   f"left (source {expiry.get('source')})")
+                   f"left (source {expiry.get('source')}); it uploads checkpoints from "
+                   f"{LOCAL_DISK}/ to {NETWORK_VOLUME}/ at {args.upload_bandwidth}/s")
 
         first = _start_trainer(args, url, total_steps, 1, wait_after_stop=True)
         runs.append(first)
         screen.say(f"3. Training {total_steps} steps of {args.step_seconds:g} s "
-                   "(more than fit before the release)...")
+                   f"(more than fit before the release), {args.checkpoint_mb} MiB checkpoints")
+        final: Optional[dict[str, Any]] = None
+        durable_at: Optional[float] = None
         while time.time() < release:
             for event in first.drain():
                 if event["event"] == "start":
                     screen.say(f"   trainer started ({event['backend']})")
-                elif event["event"] == "save":
-                    screen.say(f"   saved checkpoint at step {event['step'] + 1} in "
-                               f"{event['seconds']:.2f} s, {event['remaining']:.1f} s before "
-                               "the release")
-                elif event["event"] == "stop":
-                    screen.say("   guard: final checkpoint done; stopping before the release")
+                elif event["event"] == "save" and event["kind"] == "routine":
+                    screen.say(f"   routine checkpoint at step {event['step'] + 1}: uploading "
+                               "it teaches the daemon the upload rate")
+                elif event["event"] == "save" and event["kind"] == "final":
+                    final = event
+                    upload = event.get("upload_seconds")
+                    budget = "" if upload is None else f", its upload planned at {upload:.1f} s"
+                    screen.say(f"   final checkpoint at step {event['step'] + 1}, "
+                               f"{event['remaining']:.1f} s before the release{budget}; "
+                               "the trainer waits for the release")
+            if final is not None and durable_at is None:
+                uploads = _get(url + "/v1/uploads?limit=0") or {}
+                if (uploads.get("last_durable_step") or -1) >= final["step"]:
+                    durable_at = float(uploads.get("last_durable_at_unix") or time.time())
+                    screen.say(f"   durable on the network volume {release - durable_at:.1f} s "
+                               "before the release")
             if first.process.poll() is not None and first.stopped_at is None:
                 screen.say(f"the trainer exited early; see {workdir / 'trainer-1.log'}")
                 return 1
@@ -234,8 +261,9 @@ def run_demo(args: argparse.Namespace) -> int:
             first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         first.drain()
+        shutil.rmtree(local)  # the machine's local disk goes with it
         screen.say(f"4. RELEASED: the machine is reclaimed (trainer killed with SIGKILL "
-                   f"at step {(first.last_step or 0) + 1})")
+                   f"at step {(first.last_step or 0) + 1}); its local disk is gone")
 
         emulator.set_release_in(3600)  # the next instance: released in an hour
         deadline = time.monotonic() + 30
@@ -244,13 +272,25 @@ def run_demo(args: argparse.Namespace) -> int:
                 screen.say("the daemon did not see the new instance's release time")
                 return 1
             time.sleep(0.1)
+        restored = subprocess.run(
+            [sys.executable, "-m", "sidecar.cli", "restore", "--from",
+             volume.resolve().as_uri(), "--to", str(local)],
+            capture_output=True, text=True, timeout=120,
+        )
+        back = latest_valid(local) if restored.returncode == 0 else None
+        if back is not None:
+            screen.say(f"5. Next machine: esi-sidecar restore --from {NETWORK_VOLUME}/ brought "
+                       f"the checkpoint of step {back.step + 1} back onto the local disk")
+        else:
+            screen.say("5. Next machine: nothing to restore ("
+                       + restored.stderr.strip() + "); starting from scratch")
         second = _start_trainer(args, url, total_steps, 2, wait_after_stop=False)
         runs.append(second)
         while second.process.poll() is None or not second.events.empty():
             for event in second.drain():
                 if event["event"] == "start":
                     resumed = event["resumed_from"]
-                    screen.say("5. Next machine: trainer resumed from "
+                    screen.say("   trainer resumed from "
                                + ("nothing (!)" if resumed is None else f"step {resumed + 1}"))
             screen.status(_progress(second, total_steps, None))
             time.sleep(0.1)
@@ -259,25 +299,30 @@ def run_demo(args: argparse.Namespace) -> int:
             screen.say(f"the resumed trainer failed; see {workdir / 'trainer-2.log'}")
             return 1
 
-        final = first.saves[-1] if first.saves else None
         completed = first.last_step
-        saved = final["step"] if final else None
-        lost = (completed - saved) if completed is not None and saved is not None else None
-        if completed is not None and saved is None:
-            lost = completed + 1
+        resumed_from = second.resumed_from
+        lost = (completed - resumed_from if completed is not None and resumed_from is not None
+                else (completed + 1 if completed is not None else None))
         screen.say("")
         screen.say("Summary")
         screen.say(f"  steps done            {total_steps} (trained in two runs: "
                    f"1-{(completed or 0) + 1} and {(second.first_step or 0) + 1}-{total_steps})")
         if final is not None:
-            margin = release - final["time"]
-            screen.say(f"  final save            step {saved + 1 if saved is not None else '-'}, "
-                       f"{margin:.1f} s before the reclaim")
+            screen.say(f"  final save            step {final['step'] + 1}, "
+                       f"{release - final['time']:.1f} s before the reclaim")
         else:
             screen.say("  final save            none before the reclaim")
-        screen.say(f"  reclaim               SIGKILL at {killed_at - release:+.1f} s")
+        if durable_at is not None:
+            screen.say(f"  durable               {release - durable_at:.1f} s before the reclaim, "
+                       f"on {NETWORK_VOLUME}/")
+        else:
+            screen.say("  durable               NOT before the reclaim")
+        screen.say(f"  reclaim               SIGKILL at {killed_at - release:+.1f} s, "
+                   "local disk wiped")
+        screen.say("  restored from         "
+                   + (f"{NETWORK_VOLUME}/ (step {resumed_from + 1})"
+                      if resumed_from is not None else "nothing"))
         screen.say(f"  steps lost            {lost} steps lost")
-        screen.say(f"  checkpoints           {workdir / 'checkpoints'}")
         screen.say(f"  logs                  {workdir}/daemon.log, trainer-1.log, trainer-2.log")
         return 0 if lost == 0 else 1
     finally:
@@ -326,6 +371,10 @@ def add_demo_command(subparsers: Any) -> None:
                       help="safety margin (default 5; 120 in production)")
     demo.add_argument("--poll-interval", type=_seconds(0.2), default=2.0,
                       help="daemon poll interval (default 2; 30 in production)")
+    demo.add_argument("--upload-bandwidth", default="2MiB", metavar="RATE",
+                      help="the uploader's cap, so the upload visibly takes time (default 2MiB)")
+    demo.add_argument("--checkpoint-mb", type=int, default=6, metavar="MIB",
+                      help="size of each checkpoint, standing in for weights (default 6)")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"),
                       help="where checkpoints and logs go; emptied first (default ./demo-run)")
     demo.set_defaults(func=run_demo)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Optional
 
 from sidecar.tools.demo.toy_model import build_model
 from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
-from sidecar.train.guard import CheckpointGuard
+from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
 GUARD_STATE = "guard.json"  # the guard's state_dict(), inside each checkpoint
@@ -31,6 +32,21 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "time": time.time(), **fields}), flush=True)
 
 
+def save(guard: CheckpointGuard, model: Any, root: Path, step: int, ballast_mb: int,
+         kind: str) -> None:
+    """One checkpoint through the guard: the model, the guard's state, and ``ballast_mb`` of
+    random bytes standing in for a real model's weights (so that the upload takes time)."""
+    started = time.time()
+    with guard.saving(step), atomic_checkpoint(root, step, keep_last=3) as folder:
+        model.save(folder, step)
+        (folder / GUARD_STATE).write_text(json.dumps(guard.state_dict()))
+        if ballast_mb:
+            (folder / "weights.bin").write_bytes(random.randbytes(ballast_mb << 20))
+    status = guard.status()
+    emit("save", step=step, kind=kind, seconds=time.time() - started,
+         remaining=status.remaining_seconds, upload_seconds=status.upload_seconds)
+
+
 def train(
     root: Path,
     total_steps: int,
@@ -38,6 +54,7 @@ def train(
     save_seconds: float,
     redundant_seconds: float,
     wait_after_stop: bool,
+    ballast_mb: int = 0,
 ) -> int:
     model = build_model(seed=0)
     start = 0
@@ -63,25 +80,24 @@ def train(
         last_step = step
         status = guard.status()
         emit("step", step=step, loss=loss, remaining=status.remaining_seconds)
+        if step == start and found is None:
+            # A routine checkpoint at the start, as jobs make: its upload teaches the
+            # daemon the throughput, so the final save budgets the upload it needs.
+            save(guard, model, root, step, ballast_mb, "routine")
         if guard.should_save():
-            started = time.time()
-            with guard.saving(step), atomic_checkpoint(root, step, keep_last=3) as folder:
-                model.save(folder, step)
-                (folder / GUARD_STATE).write_text(json.dumps(guard.state_dict()))
-            emit("save", step=step, seconds=time.time() - started,
-                 remaining=guard.status().remaining_seconds)
-        if guard.should_stop():
-            emit("stop", step=step, remaining=guard.status().remaining_seconds)
+            save(guard, model, root, step, ballast_mb, "final")
+        if guard.should_stop():  # after the final save: waits here for the release
+            emit("stop", step=step, released=guard.released)
             if wait_after_stop:
-                # A real job would exit here; the demo keeps the process so the reclaim
-                # can show that a kill -9 after the final save loses nothing.
+                # The release has come and the machine is being reclaimed: a real job
+                # exits (EXIT_RELEASED); the demo keeps the process for the SIGKILL.
                 while True:
                     time.sleep(1)
-            return 0
+            return EXIT_RELEASED if guard.released else 0
     if last_step is not None:
         with atomic_checkpoint(root, last_step, keep_last=3) as folder:
             model.save(folder, last_step)
-        emit("save", step=last_step, seconds=0.0, remaining=None, final=True)
+        emit("save", step=last_step, kind="end", seconds=0.0, remaining=None)
     emit("done", step=last_step)
     return 0
 
@@ -94,9 +110,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--save-seconds", type=float, default=3.0)
     parser.add_argument("--redundant-seconds", type=float, default=5.0)
     parser.add_argument("--wait-after-stop", action="store_true")
+    parser.add_argument("--ballast-mb", type=int, default=0,
+                        help="random MiB in each checkpoint, standing in for real weights")
     args = parser.parse_args(argv)
     return train(args.root, args.total_steps, args.step_seconds, args.save_seconds,
-                 args.redundant_seconds, args.wait_after_stop)
+                 args.redundant_seconds, args.wait_after_stop, args.ballast_mb)
 
 
 if __name__ == "__main__":
