@@ -40,6 +40,7 @@ EXAMPLES = {
     "upload_keep_local": "2",
     "upload_near_release": "600",
     "upload_scan_interval": "5",
+    "upload_max_bandwidth": "200MiB",
     "upload_addressing_style": "auto",
 }
 
