@@ -1,6 +1,7 @@
 """``esi-sidecar``: serve, status, check, env, emulate, restore, demo, simulate.
 
-``serve``, ``emulate``, ``restore`` and ``demo`` need the ``[server]`` extra; ``status``,
+``serve``, ``emulate`` and ``demo`` need the ``[server]`` extra and ``restore`` from S3 the
+``[upload]`` extra (from a mounted volume, nothing more); ``status``,
 ``check`` and ``env`` use the stdlib client, so they also work inside a training
 container that has only the base install. Server modules are imported inside the
 commands that need them.

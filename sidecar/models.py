@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 __all__ = [
     "DEFAULT_LISTEN",
+    "DEFAULT_METADATA_URL",
     "KIND_PREEMPTION",
     "KIND_SCHEDULED_RELEASE",
     "Decision",
@@ -24,6 +25,9 @@ __all__ = [
 # The daemon's default address (ARCHITECTURE.md, "HTTP contract"): the daemon listens on it
 # and the client asks it unless told otherwise.
 DEFAULT_LISTEN = "127.0.0.1:8791"
+# The ECS instance metadata service: the settings table's default and the Volcengine
+# source's. Here because both may import this module, and nothing heavier.
+DEFAULT_METADATA_URL = "http://100.96.0.96"
 
 KIND_SCHEDULED_RELEASE = "scheduled-release"
 KIND_PREEMPTION = "preemption-notice"

@@ -17,7 +17,7 @@ from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.models import DEFAULT_LISTEN
+from sidecar.models import DEFAULT_LISTEN, DEFAULT_METADATA_URL
 from sidecar.timeparse import TimestampError, parse_timestamp
 
 __all__ = [
@@ -30,10 +30,11 @@ __all__ = [
     "storage_options",
 ]
 
-DEFAULT_METADATA_URL = "http://100.96.0.96"
 ENV_PREFIX = "ESI_SIDECAR_"
 DEFAULT_UPLOAD_CONCURRENCY = 8
 DEFAULT_UPLOAD_PART_SIZE = 64 << 20
+DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS = 600.0
+DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
 
 
 class ConfigError(ValueError):
@@ -67,8 +68,8 @@ class Settings:
     upload_concurrency: int = DEFAULT_UPLOAD_CONCURRENCY
     upload_part_size: int = DEFAULT_UPLOAD_PART_SIZE
     upload_keep_local: Optional[int] = None
-    upload_near_release: float = 600.0
-    upload_scan_interval: float = 5.0
+    upload_near_release: float = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
+    upload_scan_interval: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     upload_addressing_style: str = "auto"
     upload_max_bandwidth: Optional[int] = None  # bytes per second; None: no cap
 

@@ -7,8 +7,8 @@ then waits inside the save's collective while the others wait inside the next st
 the job hangs until the process-group timeout, right before the machine is released.
 
 :class:`TorchReducer` implements :class:`sidecar.train.guard.Reducer` with ONE ``all_reduce``
-per decision (float64, four numbers: MIN of the remaining time, MAX of step, save and
-cover, the MAX ones negated so a single MIN serves all four).
+per decision (float64, five numbers: MIN of the remaining time, MAX of step, save, cover
+and upload, the MAX ones negated so a single MIN serves all five).
 
     from sidecar.integrations.distributed import distributed_guard
     guard = distributed_guard()   # a TorchReducer when torch.distributed is initialised
@@ -40,7 +40,7 @@ class TorchReducer:
     """The :class:`~sidecar.train.guard.Reducer` for ``torch.distributed``.
 
     - ``group``: the process group whose ranks must agree (default: the world).
-    - ``device``: where the four numbers travel. Default: chosen from the group's backend
+    - ``device``: where the five numbers travel. Default: chosen from the group's backend
       on each call: CPU for gloo/mpi/ucc (or a mixed "cpu:gloo,cuda:nccl" backend), the
       current CUDA device for nccl (NCCL only reduces device tensors), the current
       accelerator for other device backends.

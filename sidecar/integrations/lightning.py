@@ -144,10 +144,11 @@ class _EsiLightningLogic:
             _save_atomically(trainer, path)  # collective as well: every rank calls it here
         self.last_checkpoint_path = path
         self.saves += 1
-        self._since = self._monotonic()  # the save is not part of the next step
-        if self.stop_after_save and guard.should_stop():
+        if self.stop_after_save and guard.should_stop():  # may wait for the release
             trainer.should_stop = True
             self.stopped = True
+        # Neither the save nor a wait for the release (a renewal resumes) is a step.
+        self._since = self._monotonic()
 
 
 # -- the atomic save ----------------------------------------------------------------------

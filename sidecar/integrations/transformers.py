@@ -178,10 +178,11 @@ class _EsiCallbackLogic:
                 except OSError as exc:
                     log.warning("could not keep the guard state in %s: %s", folder, exc)
         self._decided_at = None
-        self._since = now  # the save is not part of the next step
-        if self.stop_after_save and guard.should_stop():
+        if self.stop_after_save and guard.should_stop():  # may wait for the release
             control.should_training_stop = True
             self.stopped = True
+        # Neither the save nor a wait for the release (a renewal resumes) is a step.
+        self._since = self._monotonic()
         return control
 
 

@@ -43,8 +43,8 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
-from sidecar.train.client import SidecarClient
-from sidecar.train.deadline import DeadlineTracker
+from sidecar.train.client import DEFAULT_TIMEOUT_SECONDS, SidecarClient
+from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import DEFAULT_SAVE_SECONDS, check_seconds, verl_rule
 
 __all__ = [
@@ -61,11 +61,6 @@ logger = logging.getLogger("sidecar.integrations.verl")
 VERL_MODULE = "verl.utils.checkpoint.checkpoint_manager"
 VERL_FUNCTION = "should_save_ckpt_esi"
 
-# Short: the call sits in verl's training loop. On loopback the daemon answers in about a
-# millisecond; a hung daemon costs at most this once per retry interval.
-DEFAULT_TIMEOUT_SECONDS = 0.2
-DEFAULT_REFRESH_SECONDS = 1.0
-DEFAULT_RETRY_SECONDS = 5.0
 
 
 # The daemon's deadline, cached, with the same retry and env fallback as CheckpointGuard

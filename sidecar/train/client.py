@@ -27,11 +27,14 @@ from typing import Any, Optional, Union
 
 from sidecar.models import DEFAULT_LISTEN, Expiry
 
-__all__ = ["DEFAULT_URL", "ENV_URL", "SidecarClient"]
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "DEFAULT_URL", "ENV_URL", "SidecarClient"]
 
 logger = logging.getLogger("sidecar.train.client")
 
 DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
+# Short: the client is asked from the training loop; on loopback the daemon answers in
+# about a millisecond.
+DEFAULT_TIMEOUT_SECONDS = 0.2
 ENV_URL = "ESI_SIDECAR_URL"
 EXPIRY_PATH = "/v1/expiry"
 UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
@@ -156,13 +159,12 @@ def _kept(known: Expiry, why: str) -> Expiry:
     )
 
 
-def _with_slowest_upload(chosen: Expiry, answered: list[Expiry]) -> Expiry:
-    """The slowest node's upload counts (every node's checkpoint must be durable), and
-    any node's uploader in trouble makes the whole answer say so."""
-    if len(answered) < 2:
-        return chosen
-    estimates = [a.upload_seconds for a in answered if a.upload_seconds is not None]
-    states = [a.upload_status for a in answered if a.upload_status is not None]
+def _with_slowest_upload(chosen: Expiry, answers: list[Expiry]) -> Expiry:
+    """The slowest node's upload counts (every node's checkpoint must be durable; a node
+    that stopped answering counts with its last answer), and any node's uploader in
+    trouble makes the whole answer say so."""
+    estimates = [a.upload_seconds for a in answers if a.upload_seconds is not None]
+    states = [a.upload_status for a in answers if a.upload_status is not None]
     status = next((s for s in ("degraded", "uploading", "ok") if s in states), None)
     return replace(chosen, upload_seconds=max(estimates) if estimates else None,
                    upload_status=status)
@@ -185,7 +187,10 @@ class SidecarClient:
     Not thread-safe: use one client per thread.
     """
 
-    def __init__(self, url: Union[str, Sequence[str], None] = None, timeout: float = 0.2) -> None:
+    def __init__(
+        self, url: Union[str, Sequence[str], None] = None,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
@@ -280,7 +285,9 @@ class SidecarClient:
             chosen = min(with_deadline, key=lambda a: a.expires_at_unix or 0.0)
         else:
             chosen = next((a for a in answered if a.stale), answered[0])
-        return _with_slowest_upload(chosen, answered)
+        if len(self._endpoints) < 2:
+            return chosen
+        return _with_slowest_upload(chosen, [*answered, *candidates])
 
     def _log_failing(self, failing: tuple[str, ...], *, any_answered: bool) -> None:
         """One line per change of the set of daemons that do not answer, while others do.

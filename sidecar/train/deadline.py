@@ -18,7 +18,18 @@ from sidecar.timeparse import TimestampError, parse_timestamp
 from sidecar.train.client import SidecarClient
 from sidecar.train.policy import check_seconds
 
-__all__ = ["ENV_DEADLINE_VARIABLES", "DeadlineTracker", "env_deadline"]
+__all__ = [
+    "DEFAULT_REFRESH_SECONDS",
+    "DEFAULT_RETRY_SECONDS",
+    "ENV_DEADLINE_VARIABLES",
+    "DeadlineTracker",
+    "env_deadline",
+]
+
+# Ask the daemon at most once a second; after a failure, wait 5 s: a hung daemon then
+# costs at most one client timeout per 5 s.
+DEFAULT_REFRESH_SECONDS = 1.0
+DEFAULT_RETRY_SECONDS = 5.0
 
 logger = logging.getLogger("sidecar.train.deadline")
 
@@ -81,8 +92,8 @@ class DeadlineTracker:
         self,
         client: SidecarClient,
         *,
-        refresh_seconds: float = 1.0,
-        daemon_retry_seconds: float = 5.0,
+        refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+        daemon_retry_seconds: float = DEFAULT_RETRY_SECONDS,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         environ: Optional[Mapping[str, str]] = None,

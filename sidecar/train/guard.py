@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, TypeVar
 
 from sidecar.train.client import SidecarClient
-from sidecar.train.deadline import DeadlineTracker
+from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
 
 __all__ = [
@@ -82,10 +82,11 @@ class Reducer(Protocol):
     ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1], -t[2], -t[3], -t[4])``.
 
     The arguments are positional, so any function of five floats fits. The guard calls
-    it exactly once per ``should_save()`` and once per ``should_stop()``
-    on every rank: both are collective and must be called on every rank the same number
-    of times, or the job hangs. Exceptions from it propagate: skipping a collective on
-    one rank would hang the others.
+    it exactly once per ``should_save()`` and once per ``should_stop()`` on every rank
+    (and, while ``should_stop()`` waits for the release, once per ``refresh_seconds``, as
+    many times on every rank): both are collective and must be called on every rank the
+    same number of times, or the job hangs. Exceptions from it propagate: skipping a
+    collective on one rank would hang the others.
     """
 
     def __call__(
@@ -154,8 +155,8 @@ class CheckpointGuard:
         client: Optional[SidecarClient] = None,
         policy: Optional[SavePolicy] = None,
         *,
-        refresh_seconds: float = 1.0,
-        daemon_retry_seconds: float = 5.0,
+        refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+        daemon_retry_seconds: float = DEFAULT_RETRY_SECONDS,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         reducer: Optional[Reducer] = None,
@@ -378,7 +379,7 @@ class CheckpointGuard:
             deadline = self._decided_deadline
             if deadline is None:  # the release was called off
                 logger.info("the release was called off: training resumes")
-                self._stopping = False
+                self._resume_after_wait()
                 return False
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -395,18 +396,19 @@ class CheckpointGuard:
             if not decision.stop:
                 logger.info("the release moved later (now%s): training resumes",
                             _in(decision.remaining_seconds))
-                self._stopping = False
+                self._resume_after_wait()
                 return False
             if self._reducer is not None and (
                 decision.remaining_seconds is None or decision.remaining_seconds <= quiet_seconds
             ):
                 asking = False
 
-    def maybe_save(self, save: Callable[[], T]) -> bool:
-        """Call ``save()`` inside :meth:`saving` when :meth:`should_save`; True if it ran."""
+    def maybe_save(self, save: Callable[[], T], step: Optional[int] = None) -> bool:
+        """Call ``save()`` inside :meth:`saving` (with ``step``) when :meth:`should_save`;
+        True if it ran."""
         if not self.should_save():
             return False
-        with self.saving():
+        with self.saving(step):
             save()
         return True
 
@@ -433,6 +435,12 @@ class CheckpointGuard:
             final_step=final.step,
             final_durable_at_unix=final.durable_unix,
         )
+
+    def _resume_after_wait(self) -> None:
+        self._stopping = False
+        # The release it was saved for did not come: the next final save is followed, and
+        # no "NOT durable before the release" is said for a release that did not happen.
+        self._final = _FinalSave()
 
     def _follow_final_save(self) -> None:
         """Ask, at most once per refresh, whether the final checkpoint is durable yet;

@@ -41,7 +41,7 @@ Decided and left as they are (see docs/simulation.md, stress workloads):
   period.
 
 Every time is passed in (``now_unix``, ``started_unix``): the policy never reads a clock,
-so tests drive it step by step and the guard in ``sidecar.train.client`` owns all I/O.
+so tests drive it step by step and the guard in ``sidecar.train.guard`` owns all I/O.
 """
 
 from __future__ import annotations

@@ -28,14 +28,13 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from sidecar.host.sources.base import Observation, SourceError, where
-from sidecar.models import KIND_SCHEDULED_RELEASE
+from sidecar.models import DEFAULT_METADATA_URL, KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import ParsedTime, TimestampError, parse_timestamp
 
-__all__ = ["DEFAULT_METADATA_URL", "VolcengineEsiSource", "from_settings"]
+__all__ = ["VolcengineEsiSource", "from_settings"]
 
 logger = logging.getLogger("sidecar.host.sources.volcengine")
 
-DEFAULT_METADATA_URL = "http://100.96.0.96"
 ENV_ACCESS_KEY = "VOLCENGINE_ACCESS_KEY"
 ENV_SECRET_KEY = "VOLCENGINE_SECRET_KEY"
 ENV_SESSION_TOKEN = "VOLCENGINE_SESSION_TOKEN"

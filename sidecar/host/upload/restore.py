@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +31,12 @@ from sidecar.host.upload.volume import (
     Restored,
     RestoreError,
     already_there,
+    check_copy,
+    commit_folder,
     point_latest,
 )
 from sidecar.train.checkpoint import CheckpointError, clean_leftovers, validate
-from sidecar.train.durable import fsync_path, sync_tree, write_durably
-from sidecar.train.leftovers import writer_tag  # named like a save's leftovers, cleaned alike
-from sidecar.train.manifest import MANIFEST_NAME, CheckpointInfo, Invalid, check_files
+from sidecar.train.manifest import CheckpointInfo, Invalid
 
 __all__ = ["find_complete", "restore"]
 
@@ -96,16 +95,6 @@ def find_complete(
     return best, incomplete
 
 
-def _verify(info: CheckpointInfo, folder: Path, verify_checksums: bool) -> None:
-    local = CheckpointInfo(folder, info.step, info.created_at, info.total_bytes, info.metadata,
-                           info.files)
-    try:
-        check_files(local, verify_checksums=verify_checksums)
-    except Invalid as exc:
-        raise RestoreError(f"the downloaded checkpoint does not match its manifest: {exc}") \
-            from None
-
-
 def restore(
     storage: StorageConfig,
     location: S3Location,
@@ -135,24 +124,21 @@ def restore(
     if os.path.lexists(target):
         return already_there(target, found.manifest, source, started)
     clean_leftovers(root)
-    temp = root / f".tmp-{found.name}.{writer_tag()}.{os.urandom(4).hex()}"
-    temp.mkdir()
-    try:
+
+    def fill(temp: Path) -> None:
         try:
             download_files(client, storage, location, found.info, temp, on_progress=on_progress)
         except Invalid as exc:
             raise RestoreError(f"{source}: {exc}") from None
         except Exception as exc:
             raise RestoreError(describe_error(exc, storage, f"downloading {source}")) from None
-        _verify(found.info, temp, verify_checksums)
-        sync_tree(temp)
-        write_durably(temp / MANIFEST_NAME, found.manifest)  # last, as in a save
-        fsync_path(temp)
-        os.rename(temp, target)
-        fsync_path(root)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        try:
+            check_copy(found.info, verify_checksums)(temp)
+        except Invalid as exc:
+            raise RestoreError(f"the downloaded checkpoint does not match its manifest: "
+                               f"{exc}") from None
+
+    commit_folder(root, found.name, found.manifest, fill)
     point_latest(root, found.name)
     try:
         info = validate(target)

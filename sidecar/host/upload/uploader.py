@@ -32,6 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from sidecar.host.settings import (
+    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
+)
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
@@ -84,8 +88,8 @@ class UploaderConfig:
     location: Optional[S3Location]  # None when the destination is given (a mounted volume)
     storage: StorageConfig = field(default_factory=StorageConfig)
     keep_local: Optional[int] = None  # prune durable checkpoints beyond the N newest
-    near_release_seconds: float = 600.0
-    scan_interval_seconds: float = 5.0
+    near_release_seconds: float = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
+    scan_interval_seconds: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     backoff_base_seconds: float = 1.0
     backoff_cap_seconds: float = 60.0
 
@@ -344,7 +348,11 @@ class Uploader:
             self._wake.clear()
             self._scan()  # newer checkpoints show up in the status while this one goes
         remaining = self._remaining()
-        if remaining is None or remaining >= self.config.near_release_seconds:
+        # Near: within the configured time, or within twice the next upload's duration
+        # (a large checkpoint on a slow link needs more than the configured 600 s).
+        near = max(self.config.near_release_seconds,
+                   2 * (self.tracker.next_upload_seconds() or 0.0))
+        if remaining is None or remaining >= near:
             return None  # not near: finish this one, the newest goes next
         newest = next((r for r in self.tracker.records() if r.state in ("pending", "failed")),
                       None)

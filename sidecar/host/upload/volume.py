@@ -41,6 +41,8 @@ __all__ = [
     "Restored",
     "Throttle",
     "VolumeDestination",
+    "check_copy",
+    "commit_folder",
     "copy_checkpoint",
     "newest_on_volume",
     "restore_from_volume",
@@ -78,6 +80,43 @@ def _token() -> str:
     return os.urandom(4).hex()
 
 
+def commit_folder(
+    root: Path, name: str, manifest: bytes, fill: Callable[[Path], None]
+) -> Path:
+    """Commit a checkpoint folder ``root/<name>`` whose files ``fill(temp)`` writes (and
+    checks) into a temporary folder; then every file and folder is fsynced, ``manifest``
+    written last, the folder renamed into place (an existing one moved aside first, and
+    back if the rename fails) and ``root`` fsynced. The same commit as
+    ``atomic_checkpoint``, for copies that bring their manifest along: a volume upload
+    and both restores."""
+    temp = root / f".tmp-{name}.{writer_tag()}.{_token()}"
+    temp.mkdir()
+    final = root / name
+    aside: Optional[Path] = None
+    try:
+        fill(temp)
+        sync_tree(temp)  # every file and folder, deepest first
+        write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
+        fsync_path(temp)
+        if os.path.lexists(final):  # the same name saved again: the new one replaces it
+            aside = root / f".old-{name}.{writer_tag()}.{_token()}"
+            os.rename(final, aside)
+        try:
+            os.rename(temp, final)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, final)
+                aside = None
+            raise
+        fsync_path(root)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)  # after the fsync: the new one is durable
+    return final
+
+
 def copy_checkpoint(
     info: CheckpointInfo,
     manifest: bytes,
@@ -86,14 +125,15 @@ def copy_checkpoint(
     on_progress: Callable[[int], None] = lambda count: None,
     should_stop: Callable[[], Optional[str]] = lambda: None,
     before_manifest: Callable[[], None] = lambda: None,
+    check: Callable[[Path], None] = lambda folder: None,
     max_bandwidth: Optional[int] = None,
 ) -> Path:
     """Copy the checkpoint ``info`` (a complete folder) into ``target_root/<name>`` with its
-    own ``manifest`` bytes, committed as a save is. Returns the new folder."""
+    own ``manifest`` bytes (see :func:`commit_folder`). ``check(temp)`` runs on the copy
+    before it is committed. Returns the new folder."""
     throttle = Throttle(max_bandwidth)
-    temp = target_root / f".tmp-{info.name}.{writer_tag()}.{_token()}"
-    temp.mkdir()
-    try:
+
+    def fill(temp: Path) -> None:
         for entry in info.files:
             source, target = info.path / entry.path, temp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -108,23 +148,19 @@ def copy_checkpoint(
                     writer.write(chunk)
                     on_progress(len(chunk))
                     throttle(len(chunk))
+        check(temp)
         before_manifest()
-        sync_tree(temp)  # every file and folder, deepest first
-        write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
-        fsync_path(temp)
-        final = target_root / info.name
-        if os.path.lexists(final):  # the same name saved again: the new one replaces it
-            old = target_root / f".old-{info.name}.{writer_tag()}.{_token()}"
-            os.rename(final, old)
-            os.rename(temp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(temp, final)
-        fsync_path(target_root)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return final
+
+    return commit_folder(target_root, info.name, manifest, fill)
+
+
+def check_copy(info: CheckpointInfo, verify_checksums: bool) -> Callable[[Path], None]:
+    """A ``check`` for a copy of ``info``: sizes (and sha256) against its manifest."""
+    def check(folder: Path) -> None:
+        copy = CheckpointInfo(folder, info.step, info.created_at, info.total_bytes,
+                              info.metadata, info.files)
+        check_files(copy, verify_checksums=verify_checksums)
+    return check
 
 
 def point_latest(root: Path, name: str) -> None:
@@ -258,21 +294,22 @@ def restore_from_volume(
         which = "complete checkpoint" if step is None else f"complete checkpoint at step {step}"
         raise RestoreError(f"no {which} in {volume}", EXIT_NOTHING)
     source = str(found.path)
-    manifest = (found.path / MANIFEST_NAME).read_bytes()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        manifest = (found.path / MANIFEST_NAME).read_bytes()
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, f"reading {source}", root)) from None
     target = root / found.name
     if os.path.lexists(target):
         return already_there(target, manifest, source, started)
     clean_leftovers(root)
-    try:
-        final = copy_checkpoint(found, manifest, root)
-    except OSError as exc:
-        raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
-    try:
-        check_files(validate(final), verify_checksums=verify_checksums)
-    except (Invalid, CheckpointError) as exc:
-        shutil.rmtree(final, ignore_errors=True)
+    try:  # checked before the commit: a copy that does not match is never a checkpoint
+        final = copy_checkpoint(found, manifest, root,
+                                check=check_copy(found, verify_checksums))
+    except Invalid as exc:
         raise RestoreError(f"the copy of {source} does not match its manifest: {exc}") \
             from None
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
     point_latest(root, found.name)
     return Restored(validate(final), source, time.monotonic() - started, already_present=False)
