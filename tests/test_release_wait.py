@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -36,6 +37,18 @@ def emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[Emulator]:
                   auto_release_at=None) as emu:
         emu.set_release_in(3600)
         yield emu
+
+
+@contextmanager
+def guarded(emulator: Emulator, **options: Any) -> Iterator[CheckpointGuard]:
+    """The real daemon polling the emulator, and a guard asking it every 0.1 s with a rule
+    scaled down to seconds (0.5 s save, 1.5 s margin)."""
+    with serve_daemon(sources=("volcengine-esi",), api_endpoint=emulator.url,
+                      metadata_url=emulator.url, poll_interval=0.2) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        yield CheckpointGuard(SidecarClient(daemon.url),
+                              SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
+                              refresh_seconds=0.1, environ={}, **options)
 
 
 class Loop:
@@ -70,12 +83,7 @@ def test_a_renewal_after_the_final_save_resumes_training_in_the_same_process(
 ) -> None:
     caplog.set_level(logging.INFO, logger="sidecar.train.guard")
     first = parse_timestamp(emulator.set_release_in(5)).unix
-    with serve_daemon(sources=("volcengine-esi",), api_endpoint=emulator.url,
-                      metadata_url=emulator.url, poll_interval=0.2) as daemon:
-        wait_for(lambda: daemon.store.health().ok)
-        guard = CheckpointGuard(SidecarClient(daemon.url),
-                                SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
-                                refresh_seconds=0.1, environ={})
+    with guarded(emulator) as guard:
         loop = Loop(guard)
         loop.thread.start()
         wait_for(lambda: loop.saves or loop.error, timeout=15)
@@ -102,12 +110,7 @@ def test_a_renewal_after_the_final_save_resumes_training_in_the_same_process(
 
 def test_without_a_renewal_the_loop_leaves_when_the_release_comes(emulator: Emulator) -> None:
     release = parse_timestamp(emulator.set_release_in(4)).unix
-    with serve_daemon(sources=("volcengine-esi",), api_endpoint=emulator.url,
-                      metadata_url=emulator.url, poll_interval=0.2) as daemon:
-        wait_for(lambda: daemon.store.health().ok)
-        guard = CheckpointGuard(SidecarClient(daemon.url),
-                                SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
-                                refresh_seconds=0.1, environ={})
+    with guarded(emulator) as guard:
         loop = Loop(guard)
         loop.thread.start()
         loop.thread.join(15)
@@ -120,12 +123,7 @@ def test_without_a_renewal_the_loop_leaves_when_the_release_comes(emulator: Emul
 
 def test_the_wait_can_be_turned_off(emulator: Emulator) -> None:
     emulator.set_release_in(4)
-    with serve_daemon(sources=("volcengine-esi",), api_endpoint=emulator.url,
-                      metadata_url=emulator.url, poll_interval=0.2) as daemon:
-        wait_for(lambda: daemon.store.health().ok)
-        guard = CheckpointGuard(SidecarClient(daemon.url),
-                                SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
-                                refresh_seconds=0.1, environ={}, wait_for_release=False)
+    with guarded(emulator, wait_for_release=False) as guard:
         loop = Loop(guard)
         loop.thread.start()
         loop.thread.join(15)
@@ -143,12 +141,7 @@ def test_a_sleep_that_raises_is_the_callers(emulator: Emulator) -> None:
         calls.append(seconds)
         raise KeyboardInterrupt
 
-    with serve_daemon(sources=("volcengine-esi",), api_endpoint=emulator.url,
-                      metadata_url=emulator.url, poll_interval=0.2) as daemon:
-        wait_for(lambda: daemon.store.health().ok)
-        guard = CheckpointGuard(SidecarClient(daemon.url),
-                                SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
-                                refresh_seconds=0.1, environ={}, sleep=interrupted)
+    with guarded(emulator, sleep=interrupted) as guard:
         loop = Loop(guard)
         loop.thread.start()
         loop.thread.join(15)
