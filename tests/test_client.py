@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import pytest
@@ -1103,3 +1104,65 @@ def test_guard_state_travels_with_the_checkpoint(caplog: pytest.LogCaptureFixtur
         assert fresh.load_state_dict(bad) is False
         assert fresh.policy.step_estimate() is None and fresh.policy.save_estimate() == 60.0
     assert sum("ignoring the saved guard state" in r.getMessage() for r in caplog.records) == 6
+
+
+@contextmanager
+def trickling_peer(headers_first: bool) -> Iterator[str]:
+    """A peer that answers one byte every 50 ms: the whole headers (or, after the headers
+    at once, the body) would take seconds. Bounded: it stops after 3 s or when told."""
+    body = _good_body()
+    head = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.1)
+    done = threading.Event()
+
+    def serve() -> None:
+        stop_at = time.monotonic() + 3.0
+        while not done.is_set() and time.monotonic() < stop_at:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(4096)
+                slow = head + body if headers_first else body
+                if not headers_first:
+                    conn.sendall(head)
+                for byte in slow:
+                    if done.is_set() or time.monotonic() > stop_at:
+                        break
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        break
+                    time.sleep(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+
+
+@pytest.mark.parametrize("headers_first", [True, False], ids=["headers", "body"])
+def test_a_trickling_daemon_cannot_stretch_the_timeout(headers_first: bool) -> None:
+    """The timeout bounds the whole request, not each read: a peer that sends a byte every
+    50 ms (the answer would take seconds) costs one timeout, and the guard goes on."""
+    with trickling_peer(headers_first) as url:
+        client = SidecarClient(url, timeout=0.3)
+        started = time.monotonic()
+        assert client.expiry() is None
+        took = time.monotonic() - started
+        assert client.last_error is not None and "no answer within 0.3 s" in client.last_error
+        # The byte-by-byte answer needs more than 15 s; one bounded request is far less.
+        assert took < 1.5, took
+        guard = simple_guard(client, refresh_seconds=0.0, daemon_retry_seconds=0.0)
+        started = time.monotonic()
+        guard.should_save()
+        assert time.monotonic() - started < 1.5

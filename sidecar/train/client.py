@@ -13,6 +13,7 @@ loop because the daemon is down, slow or talking nonsense: it answers None and r
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import logging
 import math
@@ -60,6 +61,56 @@ def _describe_error(exc: BaseException, timeout: float) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+class _Deadline:
+    """The end of one request (connect, send, headers and body together): every socket
+    wait gets only what is left of it, so a daemon that trickles its answer a byte at a
+    time cannot stretch a 0.2 s timeout into a minute."""
+
+    def __init__(self) -> None:
+        self.at = math.inf  # time.monotonic()
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("timed out")
+        return left
+
+
+class _BoundedReader(io.RawIOBase):
+    """What ``http.client`` reads the response from: ``recv_into`` within the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        self._sock.settimeout(self._deadline.left())
+        return self._sock.recv_into(buffer)
+
+
+class _BoundedSocket:
+    """The connection's socket as ``http.client`` sees it: sends and reads bounded by the
+    request's deadline; everything else goes to the real socket."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_BoundedReader(self._sock, self._deadline))
+
+    def sendall(self, data: bytes, *args: Any) -> None:
+        self._sock.settimeout(self._deadline.left())
+        self._sock.sendall(data, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class _Endpoint:
     """One daemon URL with its keep-alive connection (reopened after any failure)."""
 
@@ -77,6 +128,7 @@ class _Endpoint:
         self._port = port or (443 if self._https else 80)
         self._base_path = parts.path.rstrip("/")
         self._timeout = timeout
+        self._deadline = _Deadline()
         self._connection: Optional[http.client.HTTPConnection] = None
         # The last answer that carried a deadline; forgotten only when the daemon says,
         # freshly, that none is scheduled (see SidecarClient.expiry).
@@ -89,9 +141,10 @@ class _Endpoint:
 
     def _connect(self) -> http.client.HTTPConnection:
         factory = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        connection = factory(self._host, self._port, timeout=self._timeout)
+        connection = factory(self._host, self._port, timeout=self._deadline.left())
         connection.connect()
         connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection.sock = _BoundedSocket(connection.sock, self._deadline)
         return connection
 
     def _quick_ack(self, connection: http.client.HTTPConnection) -> None:
@@ -107,7 +160,11 @@ class _Endpoint:
                 connection.sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
 
     def get_json(self, path: str) -> Any:
-        """GET ``path`` and decode JSON; raises _FetchError with a one-line message."""
+        """GET ``path`` and decode JSON; raises _FetchError with a one-line message.
+
+        The whole request, a retry on a fresh connection included, ends within the
+        client's timeout."""
+        self._deadline.at = time.monotonic() + self._timeout
         for _attempt in range(2):
             reused = self._connection is not None
             try:
