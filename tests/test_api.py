@@ -101,6 +101,9 @@ def test_decision_never_asks_to_save_after_the_deadline() -> None:
         ("step_seconds=inf", "step_seconds"),
         ("step_seconds=1&save_seconds=", "save_seconds"),
         ("step_seconds=1&redundant_seconds=-0.5", "redundant_seconds"),
+        # Each finite, their sum not: the answer would hold Infinity, which is not JSON.
+        ("step_seconds=1e308&save_seconds=1e308", "step_seconds: Input should be less than"),
+        ("step_seconds=1&save_seconds=1e8", "save_seconds: Input should be less than"),
     ],
 )
 def test_decision_rejects_missing_or_invalid_numbers_with_422(query: str, fragment: str) -> None:

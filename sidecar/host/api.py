@@ -90,8 +90,14 @@ def _json(body: Any, status_code: int = 200) -> Response:
     )
 
 
+# A bound on each duration a query may give (about 116 days): their sum stays finite, so
+# every answer is valid JSON (1e308 + 1e308 would be Infinity).
+MAX_QUERY_SECONDS = 1e7
+
+
 def _seconds(description: str, default: Any = ...) -> Any:
-    return Query(default, ge=0, allow_inf_nan=False, description=description)
+    return Query(default, ge=0, le=MAX_QUERY_SECONDS, allow_inf_nan=False,
+                 description=description)
 
 
 def create_app(
