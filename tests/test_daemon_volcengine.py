@@ -208,3 +208,30 @@ def test_secrets_never_reach_logs_responses_or_the_state_file(
     for text in seen:
         assert SECRET_KEY not in text
         assert ACCESS_KEY not in text
+
+
+def test_one_empty_release_time_does_not_erase_a_known_deadline(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+    """An ESI instance does not stop being one between two polls: a single answer with an
+    empty AutoReleaseAt keeps the known deadline (and says so); only several polls in a row
+    make it gone. The state file never holds the glitch."""
+    state = tmp_path / "state.json"
+    with daemon_for(emulator, state_file=state) as daemon:
+        wait_for(lambda: healthy(daemon))
+        known = expiry(daemon)["expires_at_unix"]
+        polls = emulator.request_count("DescribeScheduledInstances")
+        emulator.inject_fault("empty-release", count=1)
+        body = wait_for(lambda: (lambda b: b["error"] and b)(expiry(daemon)), timeout=20)
+        assert body["expires_at_unix"] == known and "deadline disappeared" in body["error"]
+        wait_for(lambda: expiry(daemon)["error"] is None, timeout=20)  # the next poll had it
+        assert expiry(daemon)["expires_at_unix"] == known
+        assert emulator.request_count("DescribeScheduledInstances") > polls + 1
+        saved = json.loads(state.read_text())["sources"]["volcengine-esi"]["observation"]
+        assert saved["expires_at_unix"] == known  # the glitch never reached the state file
+
+        emulator.inject_fault("empty-release")  # for good: gone after the confirmations
+        gone = wait_for(lambda: (lambda b: b["expires_at"] is None and b)(expiry(daemon)),
+                        timeout=20)
+        assert gone["error"] is None and gone["stale"] is False
+        emulator.clear_faults()

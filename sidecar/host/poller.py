@@ -48,6 +48,14 @@ def next_delay(
     return backoff * rng.uniform(0.8, 1.2)
 
 
+# A deadline that disappears from a source's answer is suspect (an instance does not stop
+# being an ESI instance between two polls; an empty AutoReleaseAt may be a glitch): the
+# last one is kept, and said to be kept, until this many polls in a row confirm it gone.
+# Those confirming polls come sooner than the interval, at most CONFIRM_DELAY_SECONDS apart.
+VANISHED_CONFIRMATIONS = 3
+CONFIRM_DELAY_SECONDS = 5.0
+
+
 class Poller:
     def __init__(
         self,
@@ -71,6 +79,7 @@ class Poller:
         self._attempt_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._last_logged_error: dict[str, Optional[str]] = {}
+        self._vanished: dict[str, int] = {}  # polls in a row without the known deadline
         #: Set once every source has been polled at least once (systemd READY=1).
         self.first_attempt_done = threading.Event()
 
@@ -97,6 +106,17 @@ class Poller:
             self._last_logged_error[source.name] = message
             delay = next_delay(self._interval, self._failures(source.name), rng=self._rng)
         else:
+            if self._suspect(source.name, observation):
+                count = self._vanished[source.name]
+                message = (f"the deadline disappeared from the answer ({count} of "
+                           f"{VANISHED_CONFIRMATIONS} polls): the last known one is kept until "
+                           "it is confirmed gone")
+                self._store.record_failure(source.name, message)
+                self._log_failure(source.name, message.split(" (")[0])
+                delay = min(self._interval, CONFIRM_DELAY_SECONDS)
+                self._mark_attempted(source.name)
+                return delay
+            self._vanished[source.name] = 0
             changed = self._store.record_success(source.name, observation)
             if self._last_logged_error.get(source.name):
                 log.info("source %s recovered", source.name)
@@ -105,11 +125,26 @@ class Poller:
                 log.info("source %s: %s", source.name, _describe(observation))
                 self.save()
             delay = next_delay(self._interval, 0, rng=self._rng)
+        self._mark_attempted(source.name)
+        return delay
+
+    def _suspect(self, name: str, observation: Observation) -> bool:
+        """A successful poll without a deadline, where one was known: suspect until
+        VANISHED_CONFIRMATIONS polls in a row say so."""
+        if observation.expires_at_unix is not None:
+            return False
+        status = next(s for s in self._store.snapshot().sources if s.name == name)
+        known = status.observation
+        if known is None or known.expires_at_unix is None:
+            return False
+        self._vanished[name] = self._vanished.get(name, 0) + 1
+        return self._vanished[name] < VANISHED_CONFIRMATIONS
+
+    def _mark_attempted(self, name: str) -> None:
         with self._attempt_lock:
-            self._attempted.add(source.name)
+            self._attempted.add(name)
             if len(self._attempted) == len(self._sources):
                 self.first_attempt_done.set()
-        return delay
 
     def _failures(self, name: str) -> int:
         status = next(s for s in self._store.snapshot().sources if s.name == name)
