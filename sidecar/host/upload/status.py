@@ -241,10 +241,15 @@ class UploadTracker:
     def durability(self) -> tuple[Optional[float], str]:
         """What ``/v1/expiry`` serves: ``(next_upload_seconds, status)``."""
         with self._lock:
-            failing = self._consecutive_failures > 0
-            uploading = any(r.state == "uploading" for r in self._records.values())
-        status = "degraded" if failing else ("uploading" if uploading else "ok")
+            status = self._state()
         return self.next_upload_seconds(), status
+
+    def _state(self) -> str:
+        """"degraded", "uploading" or "ok"; call with the lock held."""
+        if self._consecutive_failures:
+            return "degraded"
+        uploading = any(r.state == "uploading" for r in self._records.values())
+        return "uploading" if uploading else "ok"
 
     def last_durable(self) -> Optional[UploadRecord]:
         with self._lock:
@@ -262,9 +267,8 @@ class UploadTracker:
             durable, durable_at = self._durable, self._durable_at
             error, since = self._error, self._error_since
             failures = self._consecutive_failures
-            uploading = any(r.state == "uploading" for r in self._records.values())
+            status = self._state()
             waiting = sum(r.state in ("pending", "failed") for r in self._records.values())
-        status = "degraded" if failures else ("uploading" if uploading else "ok")
         return {
             "status": status,
             "degraded": bool(failures),
