@@ -25,6 +25,7 @@ from sidecar.models import KIND_PREEMPTION, Expiry, Observation
 from sidecar.train.client import DEFAULT_URL, SidecarClient
 from sidecar.train.deadline import DeadlineTracker, env_deadline
 from sidecar.train.guard import (
+    UNKNOWN_AFTER_FINAL,
     UNKNOWN_COVERED,
     UNKNOWN_REMAINING,
     UNKNOWN_SAVE,
@@ -534,7 +535,8 @@ def test_guard_uses_env_when_the_daemon_knows_no_deadline(
 def test_guard_saves_once_then_stops_against_the_real_daemon() -> None:
     with static_daemon(time.time() + 200) as daemon:
         # 100 s save + 120 s margin > 200 s left: the first decision is "save now".
-        guard = simple_guard(SidecarClient(daemon.url), policy=SavePolicy(save_seconds=100.0))
+        guard = simple_guard(SidecarClient(daemon.url),
+                             policy=SavePolicy(save_seconds=100.0, top_up_seconds=None))
         assert guard.should_save() is False  # no step measured yet
         assert guard.last_decision is not None
         assert guard.last_decision.reason == "no step measured yet"
@@ -577,7 +579,7 @@ def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
     with static_daemon(now + 200, poll_interval=3600) as daemon:
         guard = simple_guard(
             SidecarClient(daemon.url),
-            policy=SavePolicy(save_seconds=100.0),
+            policy=SavePolicy(save_seconds=100.0, top_up_seconds=None),
             clock=lambda: wall[0],
             monotonic=monotonic,
         )
@@ -615,7 +617,8 @@ def test_routine_save_before_a_notice_does_not_disarm_the_final_save() -> None:
     with serve_daemon(sources=("env",), poll_interval=3600) as daemon:
         client = SidecarClient(daemon.url)
         wait_for(lambda: (client.expiry() or Expiry.from_json({"server_time_unix": 1})).source)
-        guard = simple_guard(client, clock=lambda: wall[0], monotonic=monotonic)
+        guard = simple_guard(client, policy=SavePolicy(top_up_seconds=None), clock=lambda: wall[0],
+                             monotonic=monotonic)
         guard.record_step(20.0)  # budget 20 + 60 + 120 = 200 s until a save is measured
         assert guard.should_save() is False
         with guard.saving():  # the user's own routine save, timed by the guard
@@ -969,15 +972,16 @@ class ThreadAllReduce:
 
     def __init__(self, world_size: int) -> None:
         self.barrier = threading.Barrier(world_size, timeout=10)
-        self.slots: list[tuple[float, ...]] = [(0.0,) * 5] * world_size
+        self.slots: list[tuple[float, ...]] = [(0.0,) * 7] * world_size
         self.calls = [0] * world_size
 
     def for_rank(self, rank: int) -> Reducer:
         def reduce(
-            remaining: float, step: float, save: float, covered: float, upload: float
-        ) -> tuple[float, float, float, float, float]:
+            remaining: float, step: float, save: float, covered: float, upload: float,
+            after_final: float, typical: float,
+        ) -> tuple[float, float, float, float, float, float, float]:
             self.calls[rank] += 1
-            self.slots[rank] = (remaining, step, save, covered, upload)
+            self.slots[rank] = (remaining, step, save, covered, upload, after_final, typical)
             self.barrier.wait()
             values = list(self.slots)
             self.barrier.wait()  # nobody overwrites a slot before everyone has read
@@ -987,6 +991,8 @@ class ThreadAllReduce:
                 max(v[2] for v in values),
                 max(v[3] for v in values),
                 max(v[4] for v in values),
+                min(v[5] for v in values),
+                max(v[6] for v in values),
             )
 
         return reduce
@@ -1010,7 +1016,7 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
             try:
                 guard = CheckpointGuard(
                     SidecarClient(urls[rank]),
-                    SavePolicy(save_seconds=100.0),
+                    SavePolicy(save_seconds=100.0, top_up_seconds=None),
                     environ={},
                     reducer=reduce.for_rank(rank),
                     wait_for_release=False,  # the stop decision itself, agreed by both
@@ -1044,19 +1050,109 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
     assert reduce.calls == [2, 2]  # once per should_save, once per should_stop
 
 
+@pytest.mark.parametrize(
+    ("release", "saves", "stop"),
+    [
+        # The final save at 100 s (190 s left <= 20 + 60 + 120), the top-up at 230 s (60 s
+        # left <= 20 + 36 + 10), then 30 s left: stop.
+        (290.0, [(4, False), (9, True)], 9),
+        # Learned late: the final save at 20 s (90 s left); 60 s left after it, less than
+        # a step plus a save: stop at once. Rank 1 alone (no final save recorded) would
+        # count every step as trained since, and ask for a top-up save here.
+        (110.0, [(0, False)], 0),
+    ],
+)
+def test_ranks_agree_on_the_top_up_save_when_only_rank_0_writes_checkpoints(
+    release: float, saves: list[tuple[int, bool]], stop: int
+) -> None:
+    # DDP style: only rank 0 saves, so only rank 0's policy records the final save. Rank
+    # 1 learns of it through the reduction (steps since the final save, MIN): both train
+    # on after the final save, both are told to make the top-up save at the same step,
+    # and both stop together. Simulated time: 20 s steps, 30 s saves; releases not on a
+    # boundary (the rule's window is inclusive, and large floats round).
+    reduce = ThreadAllReduce(2)
+    told: dict[int, list[tuple[int, bool]]] = {0: [], 1: []}
+    stopped_at: dict[int, int] = {}
+    errors: list[BaseException] = []
+    start = time.time()
+    with static_daemon(start + release) as daemon:
+
+        def train(rank: int) -> None:
+            elapsed = [0.0]
+            try:
+                guard = CheckpointGuard(
+                    SidecarClient(daemon.url), SavePolicy(top_up_seconds=10.0), environ={},
+                    reducer=reduce.for_rank(rank),
+                    clock=lambda: start + elapsed[0], wait_for_release=False,
+                )
+                for step in range(30):
+                    elapsed[0] += 20.0
+                    guard.record_step(20.0)
+                    if guard.should_save():
+                        decision = guard.last_decision
+                        assert decision is not None
+                        told[rank].append((step, decision.top_up))
+                        elapsed[0] += 30.0  # rank 1 waits for rank 0's save
+                        if rank == 0:
+                            guard.record_save(30.0, step=step)
+                    if guard.should_stop():
+                        stopped_at[rank] = step
+                        return
+            except BaseException as exc:  # reported to the main thread
+                errors.append(exc)
+                reduce.barrier.abort()
+
+        threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert not errors, errors
+    assert told == {0: saves, 1: saves}
+    assert stopped_at == {0: stop, 1: stop}
+
+
+def test_top_up_save_is_logged_and_shown_in_the_status(caplog: pytest.LogCaptureFixture) -> None:
+    start = time.time()
+    elapsed = [0.0]
+    with static_daemon(start + 290) as daemon:
+        guard = simple_guard(SidecarClient(daemon.url), policy=SavePolicy(top_up_seconds=10.0),
+                             clock=lambda: start + elapsed[0])
+        saved = []
+        with caplog.at_level(logging.INFO, logger=TRAIN_LOGGER):
+            for step in range(30):
+                elapsed[0] += 20.0
+                guard.record_step(20.0)
+                if guard.should_save():
+                    elapsed[0] += 30.0
+                    guard.record_save(30.0, step=step)
+                    saved.append(step)
+                if guard.should_stop():
+                    break
+        status = guard.status()
+    assert saved == [4, 9] and step == 9
+    assert (status.final_step, status.top_up_step) == (4, 9)
+    assert status.top_up_durable_at_unix == pytest.approx(start + 260.0)  # no uploader
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("top-up checkpoint now: remaining 60.0 s") for m in messages)
+    assert any(m.startswith("top-up checkpoint (step 9) durable 30.0 s before the release")
+               for m in messages), messages
+
+
 def test_reducer_sentinels_for_unknown_values() -> None:
-    seen: list[tuple[float, float, float, float, float]] = []
+    seen: list[tuple[float, ...]] = []
 
     def record(
-        remaining: float, step: float, save: float, covered: float, upload: float
-    ) -> tuple[float, float, float, float, float]:
-        seen.append((remaining, step, save, covered, upload))
-        return remaining, step, save, covered, upload
+        remaining: float, step: float, save: float, covered: float, upload: float,
+        after_final: float, typical: float,
+    ) -> tuple[float, float, float, float, float, float, float]:
+        seen.append((remaining, step, save, covered, upload, after_final, typical))
+        return remaining, step, save, covered, upload, after_final, typical
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
-                     UNKNOWN_UPLOAD)]
+                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP)]
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -1066,10 +1162,11 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
     def peer_knows(
-        remaining: float, step: float, save: float, covered: float, upload: float
-    ) -> tuple[float, float, float, float, float]:
+        remaining: float, step: float, save: float, covered: float, upload: float,
+        after_final: float, typical: float,
+    ) -> tuple[float, float, float, float, float, float, float]:
         return (min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
-                upload)
+                upload, after_final, max(typical, 20.0))
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True

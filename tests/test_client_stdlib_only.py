@@ -74,7 +74,8 @@ from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
-guard = CheckpointGuard(SidecarClient(sys.argv[1]), SavePolicy(save_seconds=100.0), environ={},
+guard = CheckpointGuard(SidecarClient(sys.argv[1]),
+                        SavePolicy(save_seconds=100.0, top_up_seconds=None), environ={},
                         wait_for_release=False)
 guard.record_step(1.0)
 save_now = guard.should_save()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 
@@ -11,7 +12,7 @@ from sidecar.train.policy import PolicyDecision, SavePolicy
 NOW = 1_800_000_000.0  # any fixed wall-clock instant
 
 
-def policy_with_step(step: float = 80.0, **options: float) -> SavePolicy:
+def policy_with_step(step: float = 80.0, **options: Optional[float]) -> SavePolicy:
     policy = SavePolicy(**options)  # type: ignore[arg-type]
     policy.record_step(step)
     return policy
@@ -145,11 +146,13 @@ def test_measured_save_changes_the_budget() -> None:
 
 
 # ---------------------------------------------------------------- once per deadline
+# These pin the final save and its cover alone (top_up_seconds=None); the top-up save
+# that may follow it is pinned further down.
 
 
 def test_saves_once_per_deadline_then_stops() -> None:
     deadline = NOW + 200.0
-    policy = policy_with_step(80.0)
+    policy = policy_with_step(80.0, top_up_seconds=None)
     first = policy.evaluate(NOW, deadline)
     assert first.save_now and not first.stop
     policy.record_save(
@@ -171,7 +174,7 @@ def test_faster_than_assumed_save_does_not_rearm() -> None:
     # Saved at 255 s left with the assumed 60 s save; the measured 10 s shrinks the
     # budget to 212 s, but the save must still cover its deadline.
     deadline = NOW + 255.0
-    policy = policy_with_step(80.0)
+    policy = policy_with_step(80.0, top_up_seconds=None)
     assert policy.evaluate(NOW, deadline).save_now
     policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
     decision = policy.evaluate(NOW + 10.0, deadline)
@@ -180,7 +183,7 @@ def test_faster_than_assumed_save_does_not_rearm() -> None:
 
 
 def test_rearms_when_the_deadline_moves_later_than_the_save_covers() -> None:
-    policy = policy_with_step(80.0)
+    policy = policy_with_step(80.0, top_up_seconds=None)
     deadline = NOW + 200.0
     assert policy.evaluate(NOW, deadline).save_now
     policy.record_save(30.0, started_unix=NOW, deadline_unix=deadline)
@@ -220,7 +223,7 @@ def test_periodic_save_before_the_notice_does_not_disarm_the_rule() -> None:
     # notice at NOW + 40 with the deadline at NOW + 160. That deadline is within one
     # budget of the save (NOW + 200), but the save was not made for it: the 40 s trained
     # since would be lost by stopping, and another save fits. Save again, once; then stop.
-    policy = policy_with_step(20.0)  # budget 20 + 60 + 120 = 200 s
+    policy = policy_with_step(20.0, top_up_seconds=None)  # budget 20 + 60 + 120 = 200 s
     assert policy.evaluate(NOW, None).reason == "no deadline known"
     policy.record_save(10.0, started_unix=NOW, deadline_unix=None)
     assert policy.covered_seconds(NOW + 10.0) is not None  # nothing trained since: fresh
@@ -243,7 +246,7 @@ def test_periodic_save_before_the_notice_does_not_disarm_the_rule() -> None:
 
 
 def test_save_while_the_deadline_was_far_does_not_cover_it_when_brought_earlier() -> None:
-    policy = policy_with_step(80.0)  # budget 260 s
+    policy = policy_with_step(80.0, top_up_seconds=None)  # budget 260 s
     far = NOW + 3600.0
     assert not policy.evaluate(NOW, far).save_now
     policy.record_save(20.0, started_unix=NOW, deadline_unix=far)  # a routine save
@@ -260,7 +263,7 @@ def test_save_while_the_deadline_was_far_does_not_cover_it_when_brought_earlier(
 def test_periodic_save_inside_the_window_is_the_final_save() -> None:
     # The deadline is known and inside the window when the user's own periodic save
     # starts (no "save now?" decision passed a budget): that save is the final one.
-    policy = policy_with_step(80.0)  # budget 260 s before the save
+    policy = policy_with_step(80.0, top_up_seconds=None)  # budget 260 s before the save
     deadline = NOW + 260.0  # on the boundary: the window is inclusive
     assert policy.evaluate(NOW, deadline).save_now
     policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
@@ -275,7 +278,7 @@ def test_deadline_learned_during_a_routine_save_needs_no_second_save() -> None:
     # since, that checkpoint is as fresh as a new one, so stop rather than train a step
     # and start a save that the release may cut. If training goes on anyway, the rule
     # re-arms for the new work.
-    policy = policy_with_step(20.0)  # budget 200 s
+    policy = policy_with_step(20.0, top_up_seconds=None)  # budget 200 s
     policy.record_save(60.0, started_unix=NOW, deadline_unix=None)
     deadline = NOW + 150.0
     decision = policy.evaluate(NOW + 60.0, deadline)
@@ -286,7 +289,7 @@ def test_deadline_learned_during_a_routine_save_needs_no_second_save() -> None:
 
 
 def test_routine_save_does_not_shrink_an_earlier_final_cover() -> None:
-    policy = policy_with_step(80.0)
+    policy = policy_with_step(80.0, top_up_seconds=None)
     deadline = NOW + 200.0
     policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)  # final: to NOW+260
     policy.record_step(80.0)
@@ -306,11 +309,134 @@ def test_covered_seconds_is_exposed_for_reduction() -> None:
 
 
 def test_decide_from_reduced_inputs() -> None:
-    policy = SavePolicy()
+    policy = SavePolicy(top_up_seconds=None)
     decision = policy.decide(100.0, step_seconds=10.0, save_seconds=5.0, covered_seconds=None)
     assert decision.save_now and decision.budget_seconds == pytest.approx(135.0)
     covered = policy.decide(100.0, step_seconds=10.0, save_seconds=5.0, covered_seconds=100.0)
     assert covered.stop and not covered.save_now
+
+
+# ---------------------------------------------------------------- the top-up save
+
+
+def final_save(policy: SavePolicy, now: float, deadline: float, seconds: float) -> None:
+    decision = policy.evaluate(now, deadline)
+    assert decision.save_now and not decision.top_up, decision
+    policy.record_save(seconds, started_unix=now, deadline_unix=deadline,
+                       budget_seconds=decision.budget_seconds)
+
+
+def test_top_up_save_uses_the_margin_once_then_stops() -> None:
+    # 20 s steps, the final save at 200 s left (20 + 60 + 120) takes 30 s. With 170 s
+    # left, a step plus a save (30 x 1.2 = 36 s) plus the 10 s top-up margin fits
+    # (66 s): train on, and make the top-up save when the next step would not fit.
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    deadline = NOW + 200.0
+    final_save(policy, NOW, deadline, 30.0)
+    now = NOW + 30.0
+    trained = []
+    while True:
+        decision = policy.evaluate(now, deadline)
+        if decision.save_now or decision.stop:
+            break
+        assert decision.top_up and "top-up" in decision.reason
+        policy.record_step(20.0)
+        now += 20.0
+        trained.append(now)
+    assert decision.save_now and decision.top_up and not decision.stop, decision
+    assert deadline - now == pytest.approx(50.0)  # 70 s left > 66 s: one more step, then save
+    assert len(trained) == 6
+    policy.record_save(30.0, started_unix=now, deadline_unix=deadline,
+                       budget_seconds=decision.budget_seconds)
+    # 20 s before the release: stop; never a third save for this deadline.
+    assert policy.evaluate(now + 30.0, deadline).stop
+    policy.record_step(5.0)
+    after = policy.evaluate(now + 35.0, deadline)
+    assert after.stop and not after.save_now
+
+
+def test_no_top_up_when_no_step_and_save_fit_after_the_final_save() -> None:
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    deadline = NOW + 120.0  # learned late: 120 s left, inside the 200 s budget
+    final_save(policy, NOW, deadline, 60.0)
+    decision = policy.evaluate(NOW + 60.0, deadline)  # 60 s left < 20 + 72 + 10
+    assert decision.stop and not decision.save_now and not decision.top_up
+
+
+def test_a_step_slower_than_expected_skips_the_top_up_save() -> None:
+    # Training on towards the top-up, a straggler step leaves less than save + margin:
+    # no save is started that the release would cut; the final checkpoint stands.
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    deadline = NOW + 200.0
+    final_save(policy, NOW, deadline, 30.0)
+    assert not policy.evaluate(NOW + 30.0, deadline).stop
+    policy.record_step(140.0)
+    decision = policy.evaluate(NOW + 170.0, deadline)  # 30 s left < 36 + 10
+    assert decision.stop and not decision.save_now
+
+
+def test_top_up_budgets_the_final_uploads_backlog() -> None:
+    # A 100 s upload: the final checkpoint's upload may still run when a top-up lands a
+    # step later, and the uploader finishes it first. Top-up durable after 36 s save +
+    # 100 s upload + 44 s backlog (100 - 20 - 36) + 10 s margin = 190 s, plus a step.
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    deadline = NOW + 300.0  # the final save's budget: 20 + 60 + 100 + 120
+    decision = policy.evaluate(NOW, deadline, upload_seconds=100.0)
+    assert decision.save_now and decision.budget_seconds == pytest.approx(300.0)
+    policy.record_save(30.0, started_unix=NOW, deadline_unix=deadline,
+                       budget_seconds=decision.budget_seconds)
+    on = policy.evaluate(NOW + 30.0, deadline, upload_seconds=100.0)  # 270 s > 210 s
+    assert not on.stop and not on.save_now and on.top_up
+    policy.record_step(20.0)
+    # 230 s left: without the backlog (166 s) this would already be the top-up point.
+    assert not policy.evaluate(NOW + 70.0, deadline, upload_seconds=100.0).save_now
+    top_up = policy.evaluate(NOW + 90.0, deadline, upload_seconds=100.0)  # 210 s <= 210 s
+    assert top_up.save_now and top_up.top_up
+    assert policy.evaluate(NOW + 115.0, deadline, upload_seconds=100.0).stop  # 185 s < 190 s
+
+
+def test_a_renewal_after_the_top_up_rearms_both_saves() -> None:
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    deadline = NOW + 200.0
+    final_save(policy, NOW, deadline, 30.0)
+    policy.record_step(20.0)
+    top_up = policy.evaluate(NOW + 140.0, deadline)
+    assert top_up.save_now and top_up.top_up
+    policy.record_save(30.0, started_unix=NOW + 140.0, deadline_unix=deadline,
+                       budget_seconds=top_up.budget_seconds)
+    assert policy.evaluate(NOW + 170.0, deadline).stop
+    later = deadline + 3600.0  # renewed: the rule re-arms, then a final and a top-up again
+    assert not policy.evaluate(NOW + 170.0, later).stop
+    policy.record_step(20.0)
+    final_save(policy, later - 170.0, later, 30.0)  # budget now 20 + 36 + 120
+    policy.record_step(20.0)
+    again = policy.evaluate(later - 60.0, later)
+    assert again.save_now and again.top_up
+
+
+def test_top_up_bets_on_a_typical_step_not_the_slowest() -> None:
+    # One 200 s validation step in the window: the final save budgets it (max), the
+    # top-up budgets the median step (20 s), so it does not give the margin back.
+    policy = policy_with_step(20.0, top_up_seconds=10.0)
+    for _ in range(4):
+        policy.record_step(20.0)
+    policy.record_step(200.0)
+    assert policy.step_estimate() == 200.0 and policy.typical_step_estimate() == 20.0
+    deadline = NOW + 380.0
+    final_save(policy, NOW, deadline, 30.0)  # 380 <= 200 + 60 + 120
+    policy.record_step(20.0)
+    waiting = policy.evaluate(NOW + 50.0, deadline)  # 330 s left > 20 + 36 + 10
+    assert not waiting.save_now and not waiting.stop
+    # At 60 s left a max-based top-up (200 + 36 + 10) would have been due long ago.
+    policy.record_step(20.0)
+    top_up = policy.evaluate(NOW + 320.0, deadline)
+    assert top_up.save_now and top_up.top_up and "66.0 s" in top_up.reason
+
+
+def test_top_up_can_be_turned_off() -> None:
+    policy = policy_with_step(20.0, top_up_seconds=None)
+    final_save(policy, NOW, NOW + 200.0, 30.0)
+    assert policy.evaluate(NOW + 30.0, NOW + 200.0).stop
 
 
 # ---------------------------------------------------------------- invalid arguments
@@ -330,6 +456,8 @@ def test_decide_from_reduced_inputs() -> None:
         ({"statistic": "median"}, "statistic"),
         ({"save_margin": 0.9}, "save_margin"),
         ({"save_seconds": "60"}, "save_seconds"),
+        ({"top_up_seconds": -1.0}, "top_up_seconds"),
+        ({"top_up_seconds": math.inf}, "top_up_seconds"),
     ],
 )
 def test_invalid_arguments_name_the_argument(options: dict, named: str) -> None:

@@ -174,6 +174,36 @@ def test_near_the_release_an_older_upload_yields_to_the_newest(
     assert uploader.tracker.get("step_00000001").attempts == 1  # type: ignore[union-attr]
 
 
+def test_near_the_release_an_upload_that_leaves_time_for_the_newer_one_is_finished_first(
+    s3: S3Server, bucket: S3Location, tmp_path: Path
+) -> None:
+    """The final checkpoint, then the top-up save after it: when both uploads still end
+    before the release (at the known throughput, here the cap), the one in progress is
+    not given up for the newer one, so the final checkpoint is durable in any case."""
+    make_checkpoint(tmp_path, 1, {"big.bin": 12 * MIB})
+    phases: list[str] = []
+
+    def hook(phase: str, detail: Any) -> None:
+        phases.append(phase)
+        if phase == "progress" and not (tmp_path / "step_00000002").exists():
+            make_checkpoint(tmp_path, 2, {"big.bin": 2 * MIB})
+            uploader.wake()
+
+    transfer._phase_hook = hook
+    # 40 MiB/s cap: 14 MiB x 1.2 take 0.42 s, far less than the 120 s left.
+    uploader = start_uploader(s3, tmp_path, bucket, remaining=lambda: 120.0,
+                              storage={"concurrency": 1, "max_bandwidth": 40 * MIB})
+    try:
+        wait_for(lambda: state(uploader, "step_00000002") == "done", timeout=20)
+    finally:
+        uploader.stop()
+    assert "cancelling" not in phases
+    first = uploader.tracker.get("step_00000001")
+    assert first is not None and first.state == "done" and first.attempts == 1
+    manifests = [key for key in s3.keys(bucket) if key.endswith("MANIFEST.json")]
+    assert manifests == [bucket.manifest_key("step_00000001"), bucket.manifest_key("step_00000002")]
+
+
 def test_uploading_pin_protects_the_folder_from_retention(
     s3: S3Server, bucket: S3Location, tmp_path: Path
 ) -> None:

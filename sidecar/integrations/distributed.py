@@ -7,8 +7,9 @@ then waits inside the save's collective while the others wait inside the next st
 the job hangs until the process-group timeout, right before the machine is released.
 
 :class:`TorchReducer` implements :class:`sidecar.train.guard.Reducer` with ONE ``all_reduce``
-per decision (float64, five numbers: MIN of the remaining time, MAX of step, save, cover
-and upload, the MAX ones negated so a single MIN serves all five).
+per decision (float64, seven numbers: MIN of the remaining time, MAX of step, save, cover
+and upload, MIN of the steps since the final save, MAX of the typical step; the MAX ones
+negated so a single MIN serves all seven).
 
     from sidecar.integrations.distributed import distributed_guard
     guard = distributed_guard()   # a TorchReducer when torch.distributed is initialised
@@ -40,7 +41,7 @@ class TorchReducer:
     """The :class:`~sidecar.train.guard.Reducer` for ``torch.distributed``.
 
     - ``group``: the process group whose ranks must agree (default: the world).
-    - ``device``: where the five numbers travel. Default: chosen from the group's backend
+    - ``device``: where the seven numbers travel. Default: chosen from the group's backend
       on each call: CPU for gloo/mpi/ucc (or a mixed "cpu:gloo,cuda:nccl" backend), the
       current CUDA device for nccl (NCCL only reduces device tensors), the current
       accelerator for other device backends.
@@ -78,22 +79,25 @@ class TorchReducer:
         save_seconds: float,
         covered_seconds: float,
         upload_seconds: float,
-    ) -> tuple[float, float, float, float, float]:
+        steps_after_final: float,
+        typical_step_seconds: float,
+    ) -> tuple[float, float, float, float, float, float, float]:
         import torch
         import torch.distributed as dist
 
-        # Negating the MAX-reduced values lets one MIN reduction do all five. The
+        # Negating the MAX-reduced values lets one MIN reduction do all seven. The
         # sentinels survive: -(-1) stays the largest "unknown" step/save/upload, and
         # -(-inf) = +inf under MIN loses to any rank that made a save.
         values = torch.tensor(
             [remaining_seconds, -step_seconds, -save_seconds, -covered_seconds,
-             -upload_seconds],
+             -upload_seconds, steps_after_final, -typical_step_seconds],
             dtype=torch.float64,
             device=self._device(),
         )
         dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
-        remaining, step, save, covered, upload = (float(x) for x in values.tolist())
-        return remaining, -step, -save, -covered, -upload
+        remaining, step, save, covered, upload, after, typical = (
+            float(x) for x in values.tolist())
+        return remaining, -step, -save, -covered, -upload, after, -typical
 
     def __repr__(self) -> str:
         return f"TorchReducer(group={self.group!r}, device={self.device!r})"

@@ -39,6 +39,7 @@ from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
 
 __all__ = [
     "EXIT_RELEASED",
+    "UNKNOWN_AFTER_FINAL",
     "UNKNOWN_COVERED",
     "UNKNOWN_REMAINING",
     "UNKNOWN_SAVE",
@@ -59,6 +60,7 @@ UNKNOWN_STEP = -1.0  # reduced with MAX
 UNKNOWN_SAVE = -1.0  # reduced with MAX: a save measured on any rank (often rank 0) wins
 UNKNOWN_COVERED = -math.inf  # reduced with MAX: a save made on any rank covers everyone
 UNKNOWN_UPLOAD = -1.0  # reduced with MAX: the slowest node's upload counts
+UNKNOWN_AFTER_FINAL = math.inf  # reduced with MIN: the ranks that recorded the saves count
 
 # The exit status for a job that left its loop because the machine is being released
 # (BSD's EX_TEMPFAIL): not a crash; resume on the next machine.
@@ -69,19 +71,23 @@ STATE_VERSION = 1  # of state_dict()
 class Reducer(Protocol):
     """Makes every rank of a distributed job decide alike (``torch.distributed`` etc.).
 
-    Called with this rank's five numbers, it returns the same five numbers combined
+    Called with this rank's seven numbers, it returns the same seven numbers combined
     across all ranks: ``(MIN remaining_seconds, MAX step_seconds, MAX save_seconds,
-    MAX covered_seconds, MAX upload_seconds)``. Unknown values arrive as sentinels that
-    survive exactly that reduction: ``remaining_seconds = +inf`` (no deadline),
-    ``step_seconds = -1`` (no step measured), ``save_seconds = -1`` (no save measured:
-    the configured value is used), ``covered_seconds = -inf`` (no save made),
-    ``upload_seconds = -1`` (no uploader on this node, or no estimate yet). Use float64:
-    remaining times can be large.
+    MAX covered_seconds, MAX upload_seconds, MIN steps_after_final, MAX
+    typical_step_seconds)``. Unknown values
+    arrive as sentinels that survive exactly that reduction: ``remaining_seconds = +inf``
+    (no deadline), ``step_seconds = -1`` (no step measured), ``save_seconds = -1`` (no
+    save measured: the configured value is used), ``covered_seconds = -inf`` (no save
+    made), ``upload_seconds = -1`` (no uploader on this node, or no estimate yet),
+    ``steps_after_final = +inf`` (no final save recorded on this rank; -1 means the
+    top-up save was made, see ``SavePolicy.steps_after_final``), ``typical_step_seconds
+    = -1`` (no step measured). Use float64: remaining times can be large.
 
-    A torch implementation: ``t = torch.tensor([r, -s, -v, -c, -u], dtype=torch.float64)``,
-    ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1], -t[2], -t[3], -t[4])``.
+    A torch implementation: ``t = torch.tensor([r, -s, -v, -c, -u, a, -m],
+    dtype=torch.float64)``, ``all_reduce(t, op=ReduceOp.MIN)``, return ``(t[0], -t[1],
+    -t[2], -t[3], -t[4], t[5], -t[6])``.
 
-    The arguments are positional, so any function of five floats fits. The guard calls
+    The arguments are positional, so any function of seven floats fits. The guard calls
     it exactly once per ``should_save()`` and once per ``should_stop()`` on every rank
     (and, while ``should_stop()`` waits for the release, once per ``refresh_seconds``, as
     many times on every rank): both are collective and must be called on every rank the
@@ -96,8 +102,10 @@ class Reducer(Protocol):
         save_seconds: float,
         covered_seconds: float,
         upload_seconds: float,
+        steps_after_final: float,
+        typical_step_seconds: float,
         /,
-    ) -> tuple[float, float, float, float, float]: ...
+    ) -> tuple[float, float, float, float, float, float, float]: ...
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,9 @@ class GuardStatus:
     upload_status: Optional[str] = None
     final_step: Optional[int] = None
     final_durable_at_unix: Optional[float] = None
+    # The top-up save after the final one (SavePolicy.top_up_seconds), followed the same way.
+    top_up_step: Optional[int] = None
+    top_up_durable_at_unix: Optional[float] = None
 
 
 class CheckpointGuard:
@@ -189,6 +200,7 @@ class CheckpointGuard:
         self._decided = False
         self._decided_deadline: Optional[float] = None
         self._final = _FinalSave()
+        self._top_up = _FinalSave()
         self._warned_upload: Optional[str] = None  # the upload state last warned about
 
     @property
@@ -285,14 +297,19 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
-        if asked is not None and asked.save_now:  # the save the rule asked for: the final one
+        if asked is not None and asked.save_now:  # the save the rule asked for
             now = self._clock()
             uploads = self._tracker.upload_status is not None
-            self._final = _FinalSave(step=step, deadline_unix=deadline_unix, saved_unix=now,
-                                     durable_unix=None if uploads else now)
+            saved = _FinalSave(step=step, deadline_unix=deadline_unix, saved_unix=now,
+                               durable_unix=None if uploads else now, top_up=asked.top_up)
+            if asked.top_up:
+                self._top_up = saved
+            else:
+                self._final, self._top_up = saved, _FinalSave()
             if uploads and step is None:
-                logger.warning("the final checkpoint was saved without a step number "
-                               "(guard.saving(step=N)): its upload cannot be followed")
+                logger.warning("the %s checkpoint was saved without a step number "
+                               "(guard.saving(step=N)): its upload cannot be followed",
+                               saved.name)
 
     # ------------------------------------------------------------------ resume
 
@@ -334,7 +351,8 @@ class CheckpointGuard:
         self._decided = True
         self._last_decision = self._last_save_decision = decision
         if decision.save_now:
-            logger.info("checkpoint now: %s", decision.reason)
+            logger.info("%s now: %s", "top-up checkpoint" if decision.top_up else "checkpoint",
+                        decision.reason)
         return decision.save_now
 
     def should_stop(self) -> bool:
@@ -417,7 +435,7 @@ class CheckpointGuard:
         decision, _deadline = self._decide(reduce=False)
         self._follow_final_save()
         deadline, source = self._tracker.deadline(refresh=False)
-        final = self._final
+        final, top_up = self._final, self._top_up
         return GuardStatus(
             remaining_seconds=decision.remaining_seconds,
             budget_seconds=decision.budget_seconds,
@@ -434,6 +452,8 @@ class CheckpointGuard:
             upload_status=self._tracker.upload_status,
             final_step=final.step,
             final_durable_at_unix=final.durable_unix,
+            top_up_step=top_up.step,
+            top_up_durable_at_unix=top_up.durable_unix,
         )
 
     def _resume_after_wait(self) -> None:
@@ -441,11 +461,15 @@ class CheckpointGuard:
         # The release it was saved for did not come: the next final save is followed, and
         # no "NOT durable before the release" is said for a release that did not happen.
         self._final = _FinalSave()
+        self._top_up = _FinalSave()
 
     def _follow_final_save(self) -> None:
-        """Ask, at most once per refresh, whether the final checkpoint is durable yet;
-        say so once, or say loudly that the release came first. Never raises."""
-        final = self._final
+        """Ask, at most once per refresh, whether the final (and top-up) checkpoint is
+        durable yet; say so once, or say loudly that the release came first. Never raises."""
+        self._follow(self._final)
+        self._follow(self._top_up)
+
+    def _follow(self, final: _FinalSave) -> None:
         if final.saved_unix is None or final.reported:
             return
         now = self._clock()
@@ -464,15 +488,22 @@ class CheckpointGuard:
             final.reported = True
             local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
             if final.deadline_unix is None:
-                logger.info("final checkpoint (step %s) durable%s", final.step, local)
+                logger.info("%s checkpoint (step %s) durable%s", final.name, final.step, local)
             else:
-                logger.info("final checkpoint (step %s) durable %.1f s before the release%s",
-                            final.step, final.deadline_unix - final.durable_unix, local)
+                logger.info("%s checkpoint (step %s) durable %.1f s before the release%s",
+                            final.name, final.step,
+                            final.deadline_unix - final.durable_unix, local)
         elif lead is not None and lead <= 0:
             final.reported = True
-            logger.error("final checkpoint (step %s) was NOT durable before the release: "
-                         "the uploader had not finished (%s)", final.step,
-                         self._tracker.upload_status or "no answer")
+            if final.top_up:  # the final checkpoint before it is the one to resume from
+                logger.warning("top-up checkpoint (step %s) was not durable before the "
+                               "release (%s); resume picks the final checkpoint (step %s)",
+                               final.step, self._tracker.upload_status or "no answer",
+                               self._final.step)
+            else:
+                logger.error("final checkpoint (step %s) was NOT durable before the release: "
+                             "the uploader had not finished (%s)", final.step,
+                             self._tracker.upload_status or "no answer")
 
     @property
     def last_decision(self) -> Optional[PolicyDecision]:
@@ -492,11 +523,13 @@ class CheckpointGuard:
         policy = self.policy
         remaining = None if deadline is None else deadline - now_unix
         step = policy.step_estimate()
+        typical = policy.typical_step_estimate()
         measured_save = policy.measured_save_estimate()
         covered = policy.covered_seconds(now_unix)
         upload = self._tracker.upload_seconds
         if upload is None and self._tracker.upload_status is not None:
             upload = self._upload_fallback  # a new uploader knows no rate yet: the saved one
+        after_final: Optional[float] = None  # the policy's own
         self._warn_upload_state()
         if reduce and self._reducer is not None:
             reduced = self._reducer(
@@ -505,19 +538,25 @@ class CheckpointGuard:
                 UNKNOWN_SAVE if measured_save is None else measured_save,
                 UNKNOWN_COVERED if covered is None else covered,
                 UNKNOWN_UPLOAD if upload is None else upload,
+                policy.steps_after_final(),
+                UNKNOWN_STEP if typical is None else typical,
             )
-            r, s, v, c, u = (float(x) for x in reduced)
+            r, s, v, c, u, a, m = (float(x) for x in reduced)
             remaining = None if math.isinf(r) or math.isnan(r) else r
             step = None if s < 0 or math.isnan(s) else s
             measured_save = None if v < 0 or math.isnan(v) else v
             covered = None if math.isinf(c) or math.isnan(c) else c
             upload = None if u < 0 or math.isnan(u) or math.isinf(u) else u
+            after_final = UNKNOWN_AFTER_FINAL if math.isnan(a) else a
+            typical = None if m < 0 or math.isnan(m) else m
         decision = policy.decide(
             remaining,
             step_seconds=step,
             save_seconds=policy.save_seconds if measured_save is None else measured_save,
             covered_seconds=covered,
             upload_seconds=upload,
+            steps_after_final=after_final,
+            typical_step_seconds=typical,
         )
         return decision, None if remaining is None else now_unix + remaining
 
@@ -548,3 +587,8 @@ class _FinalSave:
     durable_unix: Optional[float] = None
     next_check: float = -math.inf  # monotonic
     reported: bool = False
+    top_up: bool = False
+
+    @property
+    def name(self) -> str:
+        return "top-up" if self.top_up else "final"

@@ -24,8 +24,16 @@ What this module does better than the seed in verl
   training step, though, every save covers like a final one: a deadline learned while
   it was being written finds the job with nothing unsaved, and another save could
   only repeat it (or be cut by the release).
-- After the covering save, ``stop`` turns true: another step plus another save no longer
-  fits before the deadline with the safety margin, so the job can exit cleanly.
+- After the covering save (the *final* save), one *top-up* save may follow: while another
+  step plus a save (plus its upload) still fits before the deadline with a small margin
+  (``top_up_seconds``, much smaller than the 120 s), training goes on, and when the next
+  step would no longer fit, the top-up save is made. "A step" is the median of the
+  window here, not the max: a rare slow step meeting the top-up cuts only the top-up.
+  It risks nothing: the final save is already made (and, with an uploader, its upload
+  is budgeted to finish first), and a top-up cut by the release leaves the final
+  checkpoint as the one resume picks (the commit is atomic). It wins back most of the
+  margin that the final save keeps in hand. Then ``stop`` turns true: no further step
+  can be saved in time.
 
 Decided and left as they are (see docs/simulation.md, stress workloads):
 
@@ -50,11 +58,12 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = [
     "DEFAULT_REDUNDANT_SECONDS",
     "DEFAULT_SAVE_SECONDS",
+    "DEFAULT_TOP_UP_SECONDS",
     "STATISTICS",
     "PolicyDecision",
     "SavePolicy",
@@ -66,6 +75,13 @@ __all__ = [
 # The ESI guide's defaults: a save is assumed to take 60 s, and 120 s are kept in hand.
 DEFAULT_SAVE_SECONDS = 60.0
 DEFAULT_REDUNDANT_SECONDS = 120.0
+
+# The margin a top-up save keeps before the release, on top of the x1.2 on measured saves
+# and uploads. Chosen on the simulator (docs/simulation.md, "Choosing the top-up margin"):
+# the largest margin that keeps the median loss within the oracle's + one step + 10 % on
+# the reference workloads where a top-up fits at all, with no miss; a top-up cut by the
+# release only loses the steps trained after the final save.
+DEFAULT_TOP_UP_SECONDS = 5.0
 
 # Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
 # 1/(1-q) samples a percentile is the max: conservative while little is known).
@@ -89,6 +105,8 @@ class PolicyDecision:
     reason: str
     # The upload after the save that the budget includes (None: no uploader, or unknown).
     upload_seconds: Optional[float] = None
+    # The save asked for (or the training allowed) is the top-up after the final save.
+    top_up: bool = False
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -164,6 +182,8 @@ class SavePolicy:
       the risk of being one slow step short.
     - ``save_margin``: factor (>= 1) applied to the largest recent measured save.
     - ``save_window``: how many recent measured saves count (default 5).
+    - ``top_up_seconds``: the margin a top-up save keeps before the release (default
+      5); None: no top-up, stop right after the final save.
 
     Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
     so failing at construction is better than a wrong decision hours later.
@@ -175,12 +195,16 @@ class SavePolicy:
     statistic: str = "max"
     save_margin: float = 1.2
     save_window: int = 5
+    top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
 
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)
     _cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
     # The cover of the last save of any kind, until the next step (nothing unsaved).
     _fresh_cover_until_unix: Optional[float] = field(default=None, init=False, repr=False)
+    # Steps trained since the final save; -1 once the top-up save was made; inf before a
+    # final save (see steps_after_final()).
+    _after_final: float = field(default=math.inf, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.save_seconds = check_seconds("save_seconds", self.save_seconds)
@@ -195,6 +219,8 @@ class SavePolicy:
         if margin < 1.0:
             raise ValueError(f"save_margin must be >= 1 (a factor), got {self.save_margin!r}")
         self.save_margin = margin
+        if self.top_up_seconds is not None:
+            self.top_up_seconds = check_seconds("top_up_seconds", self.top_up_seconds)
         self._steps = deque(maxlen=self.window)
         self._saves = deque(maxlen=self.save_window)
 
@@ -208,6 +234,8 @@ class SavePolicy:
         """
         self._steps.append(check_seconds("seconds", seconds))
         self._fresh_cover_until_unix = None
+        if 0 <= self._after_final < math.inf:
+            self._after_final += 1
 
     def record_save(
         self,
@@ -255,6 +283,10 @@ class SavePolicy:
         self._fresh_cover_until_unix = cover
         if deadline_unix is None or deadline_unix > cover:
             return  # a routine save: not made for any deadline
+        if self._cover_until_unix is None or deadline_unix > self._cover_until_unix:
+            self._after_final = 0  # the final save for this deadline: a top-up may follow
+        elif self._after_final > 0:
+            self._after_final = -1  # a save after training past the final save: the top-up
         # A later save never shrinks what an earlier one covers.
         if self._cover_until_unix is None or cover > self._cover_until_unix:
             self._cover_until_unix = cover
@@ -286,6 +318,15 @@ class SavePolicy:
         if not self._steps:
             return None
         return quantile(list(self._steps), STATISTICS[self.statistic])
+
+    def typical_step_estimate(self) -> Optional[float]:
+        """The median step of the window (None before any step): what the top-up save
+        bets the next step takes. A top-up that meets a rare slow step (a validation
+        step, a straggler) is cut by the release, and the final checkpoint stands; the
+        final save itself keeps budgeting ``statistic`` (the max by default)."""
+        if not self._steps:
+            return None
+        return quantile(list(self._steps), 0.5)
 
     def measured_save_estimate(self) -> Optional[float]:
         """The largest of the recent measured saves times ``save_margin``; None if none."""
@@ -321,6 +362,13 @@ class SavePolicy:
             return None
         return max(covers) - now_unix
 
+    def steps_after_final(self) -> float:
+        """Steps trained since the final save, -1 once the top-up save after it was made,
+        ``inf`` before any final save. Exposed so that the guard can reduce it across
+        ranks with MIN (the ranks that recorded the saves win; in a job where only rank 0
+        writes checkpoints the others learn of them this way)."""
+        return self._after_final
+
     def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
         return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
 
@@ -340,6 +388,7 @@ class SavePolicy:
             save_seconds=self.save_estimate(),
             covered_seconds=self.covered_seconds(now_unix),
             upload_seconds=upload_seconds,
+            typical_step_seconds=self.typical_step_estimate(),
         )
 
     def decide(
@@ -350,6 +399,8 @@ class SavePolicy:
         save_seconds: float,
         covered_seconds: Optional[float],
         upload_seconds: Optional[float] = None,
+        steps_after_final: Optional[float] = None,
+        typical_step_seconds: Optional[float] = None,
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
 
@@ -362,11 +413,16 @@ class SavePolicy:
         :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
         ``remaining_seconds <= covered_seconds``; a deadline moved later than that
         re-arms it. A deadline brought earlier stays covered.
+
+        ``steps_after_final``: see :meth:`steps_after_final` (None: this policy's own).
+        ``typical_step_seconds``: the step the top-up save budgets (see
+        :meth:`typical_step_estimate`; None: ``step_seconds``).
         """
         durable_save = save_seconds + (upload_seconds or 0.0)
         budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
-        def decision(save_now: bool, stop: bool, reason: str) -> PolicyDecision:
+        def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False
+                     ) -> PolicyDecision:
             return PolicyDecision(
                 save_now=save_now,
                 stop=stop,
@@ -376,15 +432,18 @@ class SavePolicy:
                 save_seconds=save_seconds,
                 reason=reason,
                 upload_seconds=upload_seconds,
+                top_up=top_up,
             )
 
         if remaining_seconds is None:
             return decision(False, False, "no deadline known")
         covered = covered_seconds is not None and remaining_seconds <= covered_seconds
         if covered:
-            # The save already made is as good as any the rule would ask for now, and no
-            # further step can be saved in time: stop.
-            return decision(False, True, "saved for this deadline; stop")
+            after = self._after_final if steps_after_final is None else steps_after_final
+            typical = step_seconds if typical_step_seconds is None else typical_step_seconds
+            return self._after_final_save(
+                remaining_seconds, typical, save_seconds, upload_seconds, after, decision
+            )
         if remaining_seconds <= 0:
             return decision(False, False, "deadline passed")
         if step_seconds is None:
@@ -398,3 +457,35 @@ class SavePolicy:
         return decision(
             False, False, f"remaining {remaining_seconds:.1f} s > budget {budget:.1f} s"
         )
+
+    def _after_final_save(
+        self,
+        remaining_seconds: float,
+        step_seconds: Optional[float],
+        save_seconds: float,
+        upload_seconds: Optional[float],
+        steps_after_final: float,
+        decision: Callable[..., PolicyDecision],
+    ) -> PolicyDecision:
+        """Covered by the final save: train on towards one top-up save, or stop.
+
+        ``step_seconds`` here is the typical step (the median), not the max: a top-up
+        that meets a rarer slow step is cut, and the final checkpoint stands. The top-up
+        is durable ``save + upload`` after it starts, plus, when the upload of
+        the final checkpoint may still be running when the top-up lands one step after it,
+        what is left of that upload (the uploader finishes the final checkpoint first).
+        """
+        margin = self.top_up_seconds
+        if margin is None or steps_after_final < 0 or step_seconds is None:
+            return decision(False, True, "saved for this deadline; stop")
+        upload = upload_seconds or 0.0
+        backlog = max(0.0, upload - (step_seconds + save_seconds))
+        durable = save_seconds + upload + backlog + margin
+        if remaining_seconds > step_seconds + durable:
+            return decision(False, False, f"saved for this deadline; remaining "
+                            f"{remaining_seconds:.1f} s > {step_seconds + durable:.1f} s: "
+                            "training on towards a top-up save", top_up=True)
+        if steps_after_final > 0 and remaining_seconds >= durable:
+            return decision(True, False, f"remaining {remaining_seconds:.1f} s <= "
+                            f"{step_seconds + durable:.1f} s: top-up save now", top_up=True)
+        return decision(False, True, "saved for this deadline; no further step fits: stop")

@@ -21,7 +21,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-__all__ = ["STATES", "UploadRecord", "UploadTracker"]
+__all__ = ["STATES", "UPLOAD_MARGIN", "UploadRecord", "UploadTracker"]
 
 # pending: waiting its turn; uploading; done: durable remotely (manifest written last);
 # failed: the last attempt failed, retried after a backoff; skipped: a newer checkpoint

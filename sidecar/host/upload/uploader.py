@@ -7,7 +7,9 @@ manifest last), repeat; sleep until the folder changes (inotify) or the next res
 - Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
   is durable every older one still waiting is skipped: resuming needs only the newest.
   Normally an upload in progress finishes first; when the release is near (remaining
-  seconds below ``near_release_seconds``) it yields at once to the newest checkpoint.
+  seconds below ``near_release_seconds``) it yields at once to the newest checkpoint,
+  unless both still end before the release, this one first (the final checkpoint, then
+  the top-up save after it).
 - Pins. ``.uploading`` is written into the local folder before the first byte goes and
   removed after, so ``atomic_checkpoint(keep_last=...)`` never deletes a folder that is
   being uploaded. A daemon killed mid-upload leaves its marker; the next start removes
@@ -37,7 +39,7 @@ from sidecar.host.settings import (
     DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
 )
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.status import UploadRecord, UploadTracker
+from sidecar.host.upload.status import UPLOAD_MARGIN, UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
@@ -356,10 +358,25 @@ class Uploader:
             return None  # not near: finish this one, the newest goes next
         newest = next((r for r in self.tracker.records() if r.state in ("pending", "failed")),
                       None)
-        if newest is not None and newest.newer_than(current):
-            return (f"yielded to {newest.name} (step {newest.step}): the release is "
-                    f"{max(0.0, remaining):.0f} s away")
-        return None
+        if newest is None or not newest.newer_than(current):
+            return None
+        if self._both_fit(current, newest, remaining):
+            return None  # this one, then the newer one, both before the release
+        return (f"yielded to {newest.name} (step {newest.step}): the release is "
+                f"{max(0.0, remaining):.0f} s away")
+
+    def _both_fit(self, current: UploadRecord, newer: UploadRecord, remaining: float) -> bool:
+        """Whether finishing ``current`` and then uploading ``newer`` both end before the
+        release, at the measured throughput with the estimate's margin. The final
+        checkpoint and the top-up save after it (``SavePolicy.top_up_seconds``, which
+        budgets for this order) both count: giving up a final upload that is nearly done
+        for a top-up would risk both. Unknown throughput: False (yield, as before)."""
+        rate = self.tracker.throughput()
+        if not rate:
+            return False
+        now = self.tracker.get(current.name) or current
+        left = max(0, now.bytes_total - now.bytes_done) + newer.bytes_total
+        return left / rate * UPLOAD_MARGIN <= remaining
 
     def _failed(self, name: Optional[str], message: str) -> None:
         now = self._clock()

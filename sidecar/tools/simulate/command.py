@@ -19,6 +19,7 @@ from typing import Any
 from sidecar.tools.simulate.engine import (
     DEFAULT_NOTICE_DELAY_SECONDS,
     run,
+    top_up_sweep,
 )
 from sidecar.tools.simulate.policies import POLICIES
 from sidecar.tools.simulate.report import render_table, write_outputs
@@ -55,6 +56,9 @@ def add_simulate_command(subparsers: Any) -> None:
                         help="write simulation.md/.csv/.png into DIR (default: print the table)")
     parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
                         help="with --out, draw simulation.png (default: yes)")
+    parser.add_argument("--top-up-sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --out, also run the sidecar with several top-up margins, "
+                        "the runs behind the default (default: yes)")
     parser.add_argument("--list", action="store_true",
                         help="list the workloads and policies, then exit")
     parser.set_defaults(func=simulate_command)
@@ -105,7 +109,12 @@ def simulate_command(args: argparse.Namespace) -> int:
     if args.out is None:
         print(render_table(results), end="")
         return 0
+    sweep = []
+    if args.top_up_sweep:
+        sweep = top_up_sweep(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
+                             progress=_progress(f"top-up margins x {args.seeds} seeds"))
     for path in write_outputs(results, args.out, seeds=args.seeds,
-                              notice_delay_seconds=args.notice_delay, plot=args.plot):
+                              notice_delay_seconds=args.notice_delay, plot=args.plot,
+                              sweep=sweep):
         print(path)
     return 0

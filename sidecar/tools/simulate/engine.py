@@ -4,18 +4,24 @@ Time is a float (seconds since the run started) advanced by drawn durations, so 
 hour run costs a few hundred loop turns. The definitions below are the ones
 docs/simulation.md states; keep the two in step.
 
-- The machine is reclaimed at the first instant the true deadline is reached.
+- The machine is reclaimed at the first instant the true deadline is reached; its local
+  disk goes with it. A checkpoint counts only once it is *durable*: at once without an
+  uploader, else when its upload ended (see :func:`durable_times`, the daemon's uploader
+  in a few lines: one upload at a time, newest first, an older one near the release
+  yields to a newer one unless both still end in time).
 - A deadline change reaches the job ``notice_delay_seconds`` after it happened (the daemon
   serves it after its next poll); the deadline known at the start is known at once.
 - ``lead``: reclaim time minus the time the job learned the deadline that was enforced.
-  A run is *feasible* when ``lead >= step_max + save_max``: even from the worst point
-  (a worst-case step just started) one more step and one save fit.
+  A run is *feasible* when ``lead >= step_max + save_max + upload_max``: even from the
+  worst point (a worst-case step just started) one more step, one save and its upload fit.
 - The *final window* opens at the later of that learning time and ``W`` before the
-  reclaim, ``W = step_max + save_max + 120 s`` (the seed rule's budget with the workload's
-  worst step and save, and the guide's margin).
-- A run *misses* when, at the reclaim, training was done since the newest completed
-  checkpoint and that checkpoint was finished before the final window opened.
-- *Lost* work: training time (whole and cut steps) since the newest completed checkpoint.
+  reclaim, ``W = step_max + save_max + upload_max + 120 s`` (the seed rule's budget with
+  the workload's worst step, save and upload, and the guide's margin).
+- A run *misses* when, at the reclaim, training was done since the newest durable
+  checkpoint and that checkpoint's save ended before the final window opened.
+- *Lost* GPU time: everything after the training state the next machine resumes from
+  (the start of the newest durable checkpoint's save) until the reclaim: steps to redo,
+  saves, idling. The oracle's loss is the least any one save can do.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from sidecar.tools.simulate.policies import POLICIES, PolicyFactory, get_policy
+from sidecar.tools.simulate.policies import (
+    POLICIES,
+    PolicyFactory,
+    RunInfo,
+    get_policy,
+    top_up_policy,
+)
 from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
 from sidecar.train.policy import quantile
 
@@ -34,12 +46,21 @@ __all__ = [
     "WINDOW_MARGIN_SECONDS",
     "Result",
     "RunOutcome",
+    "durable_times",
     "run",
     "simulate_run",
+    "top_up_sweep",
 ]
 
 DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its default)
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
+# The daemon's uploader (sidecar.host.upload): its estimate is the largest of the recent
+# uploads x 1.2, and "near the release" means within 600 s or twice that estimate.
+UPLOAD_MARGIN = 1.2
+UPLOAD_WINDOW = 3
+NEAR_RELEASE_SECONDS = 600.0
+# The top-up margins compared to choose SavePolicy's default (None: no top-up).
+TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -53,13 +74,15 @@ class RunOutcome:
     learned_seconds: float  # when the job learned the deadline that was enforced
     feasible: bool
     missed: bool
-    lost_seconds: float  # training time since the newest completed checkpoint
+    lost_seconds: float  # GPU time after the state the next machine resumes from
+    unsaved_seconds: float  # of which training time (steps to redo)
     saves: int  # completed saves
     window_saves: int  # saves ending inside the final window (one cut by the reclaim too)
     interrupted_save: bool  # a save was in progress at the reclaim
     saving_seconds: float  # time spent saving, the interrupted save included
-    idle_seconds: float  # time between the policy's stop and the reclaim
+    idle_seconds: float  # time neither training nor saving (stopped, or waiting)
     steps: int  # steps completed
+    durable_lead_seconds: Optional[float]  # reclaim - when the resumed checkpoint was durable
 
     @property
     def lead_seconds(self) -> float:
@@ -76,11 +99,14 @@ class Result:
     feasible_runs: int
     misses: int  # among feasible runs
     infeasible_misses: int
+    lost_median_seconds: float
     lost_mean_seconds: float
     lost_p95_seconds: float
     lost_max_seconds: float
+    unsaved_mean_seconds: float
     saves_mean: float
     window_saves_mean: float
+    window_saves_max: int
     interrupted_saves: int
     saving_mean_seconds: float
     idle_mean_seconds: float
@@ -88,6 +114,16 @@ class Result:
     @property
     def infeasible_runs(self) -> int:
         return self.runs - self.feasible_runs
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A completed local save: the training state of ``state_seconds``, on disk at
+    ``saved_seconds``, uploaded in ``upload_seconds`` once its upload starts."""
+
+    state_seconds: float
+    saved_seconds: float
+    upload_seconds: float
 
 
 def _known_from(change: DeadlineChange, notice_delay_seconds: float) -> float:
@@ -103,6 +139,60 @@ def _reclaim(changes: Sequence[DeadlineChange]) -> tuple[float, int]:
     raise ValueError("the schedule never reclaims the machine")
 
 
+def _estimate(done: Sequence[float]) -> Optional[float]:
+    return max(done[-UPLOAD_WINDOW:]) * UPLOAD_MARGIN if done else None
+
+
+def durable_times(
+    checkpoints: Sequence[Checkpoint],
+    known_deadline: Callable[[float], Optional[float]],
+    first_estimate: Optional[float],
+) -> list[float]:
+    """When each checkpoint became durable (``inf``: never, its upload was given up or
+    skipped). The daemon's uploader: one upload at a time; a checkpoint arriving while one
+    runs waits (replacing an older one waiting, which is skipped); when the release is
+    near (``NEAR_RELEASE_SECONDS`` or twice the estimate) the running upload is given up
+    for the newer one unless finishing it and then uploading the newer one both end by
+    the known deadline (its estimate: the recent uploads x 1.2)."""
+    durable = [math.inf] * len(checkpoints)
+    done: list[float] = [] if first_estimate is None else [first_estimate / UPLOAD_MARGIN]
+    running: Optional[tuple[int, float, float]] = None  # index, started, ends
+    waiting: Optional[int] = None
+
+    def advance(until: float) -> None:
+        nonlocal running, waiting
+        while running is not None and running[2] <= until:
+            index, started, ends = running
+            durable[index] = ends
+            done.append(ends - started)
+            running = None
+            if waiting is not None:
+                running = (waiting, ends, ends + checkpoints[waiting].upload_seconds)
+                waiting = None
+
+    for index, checkpoint in enumerate(checkpoints):
+        now = checkpoint.saved_seconds
+        advance(now)
+        if checkpoint.upload_seconds <= 0:
+            durable[index] = now
+            continue
+        if running is None:
+            running = (index, now, now + checkpoint.upload_seconds)
+            continue
+        deadline = known_deadline(now)
+        estimate = _estimate(done) or 0.0
+        remaining = None if deadline is None else deadline - now
+        near = remaining is not None and remaining < max(NEAR_RELEASE_SECONDS, 2 * estimate)
+        left = (running[2] - now) * UPLOAD_MARGIN
+        if near and remaining is not None and left + estimate > remaining:
+            running = (index, now, now + checkpoint.upload_seconds)  # give the old one up
+            waiting = None
+        else:
+            waiting = index
+    advance(math.inf)
+    return durable
+
+
 def simulate_run(
     workload: Workload,
     policy: PolicyFactory,
@@ -110,15 +200,17 @@ def simulate_run(
     *,
     notice_delay_seconds: float = DEFAULT_NOTICE_DELAY_SECONDS,
 ) -> RunOutcome:
-    """Run one job until the reclaim (or the policy's stop) and account for it."""
+    """Run one job until the reclaim (or the policy's exit) and account for it."""
     trace = workload.trace(seed)
     changes = trace.changes
     known_at = [_known_from(change, notice_delay_seconds) for change in changes]
     reclaim_seconds, enforced = _reclaim(changes)
     learned_seconds = known_at[enforced]
-    worst = workload.step_max_seconds + workload.save_max_seconds
+    worst = workload.step_max_seconds + workload.save_max_seconds + workload.upload_max_seconds
     feasible = reclaim_seconds - learned_seconds >= worst
     window_opens = max(learned_seconds, reclaim_seconds - (worst + WINDOW_MARGIN_SECONDS))
+    uploads = workload.upload_seconds > 0
+    first_estimate = workload.upload_seconds * UPLOAD_MARGIN if uploads else None
 
     def known_deadline(now_seconds: float) -> Optional[float]:
         deadline = None
@@ -128,22 +220,41 @@ def simulate_run(
             deadline = change.deadline_seconds
         return deadline
 
-    agent = policy.make()
+    agent = policy.make(RunInfo(trace=trace, reclaim_seconds=reclaim_seconds))
     now = 0.0
-    checkpoint_seconds = 0.0  # the run resumes from a checkpoint made at its start
-    lost = saving = idle = 0.0
+    saving = idle = 0.0
     steps = saves = window_saves = 0
     interrupted = False
+    waiting = False
+    trained: list[tuple[float, float]] = []  # (start, end) of every step, the cut one too
+    checkpoints = [Checkpoint(0.0, 0.0, 0.0)]  # the run resumes from a durable checkpoint
+
+    def estimate() -> Optional[float]:
+        # What the daemon would serve now: the uploads finished by now (the durable
+        # times are settled after the run; the drawn durations stand for them here).
+        done = [c.upload_seconds for c in checkpoints[1:]
+                if c.saved_seconds + c.upload_seconds <= now]
+        return _estimate(done) if done else first_estimate
+
     while True:
+        if waiting:
+            news = [at for at in known_at if now < at < reclaim_seconds]
+            if not news:
+                idle += reclaim_seconds - now
+                break
+            idle += news[0] - now
+            now = news[0]
+            waiting = agent.should_stop(now, known_deadline(now), estimate())
+            continue
         step = trace.step_seconds(steps)
         if now + step >= reclaim_seconds:  # the step in progress is cut off
-            lost += reclaim_seconds - now
+            trained.append((now, reclaim_seconds))
             break
+        trained.append((now, now + step))
         now += step
-        lost += step
         steps += 1
         agent.record_step(step)
-        if agent.should_save(now, known_deadline(now)):
+        if agent.should_save(now, known_deadline(now), estimate()):
             seconds = trace.save_seconds(saves)
             window_saves += now + seconds >= window_opens
             if now + seconds > reclaim_seconds:  # a save in progress at the reclaim is lost
@@ -151,14 +262,21 @@ def simulate_run(
                 interrupted = True
                 break
             agent.record_save(seconds, now)
+            checkpoints.append(Checkpoint(now, now + seconds,
+                                          trace.upload_seconds(saves) if uploads else 0.0))
             now += seconds
             saving += seconds
             saves += 1
-            checkpoint_seconds = now
-            lost = 0.0
-        if agent.should_stop(now, known_deadline(now)):
-            idle = reclaim_seconds - now
-            break
+        if agent.should_stop(now, known_deadline(now), estimate()):
+            if not agent.waits:
+                idle += reclaim_seconds - now
+                break
+            waiting = True
+    durable = durable_times(checkpoints, known_deadline, first_estimate)
+    resumed = max((c for c, at in zip(checkpoints, durable) if at <= reclaim_seconds),
+                  key=lambda c: c.state_seconds)
+    resumed_durable = durable[checkpoints.index(resumed)]
+    unsaved = sum(max(0.0, end - max(start, resumed.state_seconds)) for start, end in trained)
     return RunOutcome(
         workload=workload.name,
         policy=policy.name,
@@ -166,14 +284,16 @@ def simulate_run(
         reclaim_seconds=reclaim_seconds,
         learned_seconds=learned_seconds,
         feasible=feasible,
-        missed=lost > 0 and checkpoint_seconds < window_opens,
-        lost_seconds=lost,
+        missed=unsaved > 0 and resumed.saved_seconds < window_opens,
+        lost_seconds=reclaim_seconds - resumed.state_seconds,
+        unsaved_seconds=unsaved,
         saves=saves,
         window_saves=window_saves,
         interrupted_save=interrupted,
         saving_seconds=saving,
         idle_seconds=idle,
         steps=steps,
+        durable_lead_seconds=reclaim_seconds - resumed_durable if resumed.saved_seconds else None,
     )
 
 
@@ -188,11 +308,14 @@ def summarize(outcomes: Sequence[RunOutcome]) -> Result:
         feasible_runs=sum(o.feasible for o in outcomes),
         misses=sum(o.missed and o.feasible for o in outcomes),
         infeasible_misses=sum(o.missed and not o.feasible for o in outcomes),
+        lost_median_seconds=quantile(lost, 0.5),
         lost_mean_seconds=sum(lost) / count,
         lost_p95_seconds=quantile(lost, 0.95),
         lost_max_seconds=max(lost),
+        unsaved_mean_seconds=sum(o.unsaved_seconds for o in outcomes) / count,
         saves_mean=sum(o.saves for o in outcomes) / count,
         window_saves_mean=sum(o.window_saves for o in outcomes) / count,
+        window_saves_max=max(o.window_saves for o in outcomes),
         interrupted_saves=sum(o.interrupted_save for o in outcomes),
         saving_mean_seconds=sum(o.saving_seconds for o in outcomes) / count,
         idle_mean_seconds=sum(o.idle_seconds for o in outcomes) / count,
@@ -231,3 +354,18 @@ def run(
             if progress is not None:
                 progress(len(results) / total)
     return results
+
+
+def top_up_sweep(
+    seeds: int = 200,
+    seed0: int = 0,
+    *,
+    notice_delay_seconds: float = DEFAULT_NOTICE_DELAY_SECONDS,
+    progress: Optional[Callable[[float], None]] = None,
+) -> list[Result]:
+    """The sidecar with each of ``TOP_UP_MARGINS``, and the oracle, on the reference
+    workloads: the runs behind ``SavePolicy.top_up_seconds``'s default."""
+    reference = [w for w in WORKLOADS.values() if not w.stress]
+    policies = [POLICIES["oracle"], *(top_up_policy(m) for m in TOP_UP_MARGINS)]
+    return run(reference, policies, seeds, seed0,
+               notice_delay_seconds=notice_delay_seconds, progress=progress)

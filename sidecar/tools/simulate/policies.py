@@ -3,14 +3,18 @@
 The engine calls, after every training step and in this order, exactly what a training
 loop with :class:`sidecar.train.guard.CheckpointGuard` calls::
 
-    record_step(step_seconds)                     # `with guard.step(): ...`
-    if should_save(now, deadline):                # guard.should_save()
-        record_save(save_seconds, started_seconds)  # `with guard.saving(): ...`
-    if should_stop(now, deadline):                # guard.should_stop() -> break
-        ...
+    record_step(step_seconds)                             # `with guard.step(): ...`
+    if should_save(now, deadline, upload):                # guard.should_save()
+        record_save(save_seconds, started_seconds)        # `with guard.saving(): ...`
+    if should_stop(now, deadline, upload):                # guard.should_stop()
+        ...  # waits: ask should_stop again at each news; else the job exits
 
 ``deadline`` is the deadline the job knows (None before one is known), on the same clock
-as ``now`` (seconds since the run started).
+as ``now`` (seconds since the run started); ``upload`` what the daemon's uploader would
+serve as the next upload's duration (None without an uploader). A policy that ``waits``
+stays in the loop after a stop, as ``should_stop()`` does with ``wait_for_release``: the
+engine asks it again whenever the known deadline changes, and training resumes when it
+says so (a renewal); one that does not wait ends the job at its stop.
 """
 
 from __future__ import annotations
@@ -19,34 +23,52 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from sidecar.models import Expiry
+from sidecar.tools.simulate.workloads import Trace
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import (
     DEFAULT_REDUNDANT_SECONDS,
     DEFAULT_SAVE_SECONDS,
+    DEFAULT_TOP_UP_SECONDS,
     SavePolicy,
     verl_rule,
 )
 
 __all__ = [
     "POLICIES",
+    "OraclePolicy",
     "PeriodicPolicy",
     "Policy",
     "PolicyFactory",
+    "RunInfo",
     "SidecarPolicy",
     "SidecarWithPeriodicPolicy",
     "VerlPolicy",
     "get_policy",
+    "top_up_policy",
 ]
 
 
 class Policy(Protocol):
+    waits: bool  # after a stop, wait for the release or a renewal instead of exiting
+
     def record_step(self, seconds: float) -> None: ...
 
-    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool: ...
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool: ...
 
     def record_save(self, seconds: float, started_seconds: float) -> None: ...
 
-    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool: ...
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a policy may be built with: the run's trace and its true reclaim instant. Only
+    the oracle looks; every other policy learns the deadline as the job would."""
+
+    trace: Trace
+    reclaim_seconds: float
 
 
 class PeriodicPolicy:
@@ -56,6 +78,8 @@ class PeriodicPolicy:
     in. Deadline-blind on purpose: this is the usual advice ("save every 15-60 min").
     """
 
+    waits = False
+
     def __init__(self, interval_seconds: float) -> None:
         self.interval_seconds = interval_seconds
         self._last_save_started_seconds = 0.0
@@ -63,13 +87,15 @@ class PeriodicPolicy:
     def record_step(self, seconds: float) -> None:
         pass
 
-    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
         return now_seconds - self._last_save_started_seconds >= self.interval_seconds
 
     def record_save(self, seconds: float, started_seconds: float) -> None:
         self._last_save_started_seconds = started_seconds
 
-    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
         return False
 
 
@@ -90,6 +116,8 @@ class VerlPolicy:
     - ``global_steps % save_freq == 0`` also saves; the default here is a ``save_freq``
       larger than any run, so that only the ESI trigger is compared.
     """
+
+    waits = False
 
     def __init__(
         self,
@@ -114,14 +142,16 @@ class VerlPolicy:
         self.global_steps += 1
         self._this_step_seconds = seconds
 
-    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
         esi = self.close_to_expiration(now_seconds, deadline_seconds)
         return self.save_freq > 0 and (self.global_steps % self.save_freq == 0 or esi)
 
     def record_save(self, seconds: float, started_seconds: float) -> None:
         self._this_step_seconds += seconds
 
-    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
         # End of verl's step: only now does this step's time (save included) count.
         self.max_steps_duration = max(self.max_steps_duration, self._this_step_seconds)
         return False
@@ -129,7 +159,8 @@ class VerlPolicy:
 
 class _KnownDeadline:
     """Stands in for :class:`~sidecar.train.client.SidecarClient`: a daemon that answers,
-    fresh, the deadline the simulated job knows at the simulated time."""
+    fresh, the deadline the simulated job knows at the simulated time, and its uploader's
+    estimate of the next upload (the engine accounts for durability itself)."""
 
     urls = ("simulated",)
     last_error: Optional[str] = None
@@ -137,16 +168,22 @@ class _KnownDeadline:
     def __init__(self) -> None:
         self.now_seconds = 0.0
         self.deadline_seconds: Optional[float] = None
+        self.upload_seconds: Optional[float] = None
 
     def expiry(self) -> Expiry:
         deadline = self.deadline_seconds
+        uploads = self.upload_seconds is not None
         return Expiry(
             expires_at=None, expires_at_unix=deadline,
             remaining_seconds=None if deadline is None else deadline - self.now_seconds,
             kind=None, source="simulated", instance_id=None, scheduled_instance_id=None,
             observed_at=None, age_seconds=0.0, stale=False, error=None,
             server_time_unix=self.now_seconds,
+            upload_seconds=self.upload_seconds, upload_status="ok" if uploads else None,
         )
+
+    def is_durable(self, step: int) -> bool:
+        return True  # the guard's log only; the engine decides what was durable in time
 
 
 class SidecarPolicy:
@@ -155,12 +192,19 @@ class SidecarPolicy:
 
     The guard runs on the simulated clock and asks a stand-in client for the deadline
     the job knows at every decision (``refresh_seconds=0``), as a training loop with one
-    process and no reducer would; ``options`` go to ``SavePolicy``.
+    process and no reducer would; ``options`` go to ``SavePolicy``. ``uploads``: the guard
+    is told the uploader's estimate (False: the behaviour before durability was budgeted,
+    the local save taken as durable). ``waits``: after the final save, wait for the
+    release or a renewal (the engine re-asks ``should_stop`` at each news) instead of
+    exiting.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, uploads: bool = True, waits: bool = True, **options: Any) -> None:
         self._known = _KnownDeadline()
+        self.uploads = uploads
+        self.waits = waits
         self.policy = SavePolicy(**options)
+        self._saves = 0
         self.guard = CheckpointGuard(
             self._known,  # type: ignore[arg-type]  # duck-typed: expiry, urls, last_error
             self.policy,
@@ -169,29 +213,34 @@ class SidecarPolicy:
             clock=self._now,
             monotonic=self._now,
             environ={},
-            wait_for_release=False,  # the engine counts the time after the stop as idle
+            wait_for_release=False,  # the engine plays the wait, on the simulated clock
         )
 
     def _now(self) -> float:
         return self._known.now_seconds
 
-    def _at(self, now_seconds: float, deadline_seconds: Optional[float]) -> None:
+    def _at(self, now_seconds: float, deadline_seconds: Optional[float],
+            upload_seconds: Optional[float]) -> None:
         self._known.now_seconds = now_seconds
         self._known.deadline_seconds = deadline_seconds
+        self._known.upload_seconds = upload_seconds if self.uploads else None
 
     def record_step(self, seconds: float) -> None:
         self.guard.record_step(seconds)
 
-    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
-        self._at(now_seconds, deadline_seconds)
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        self._at(now_seconds, deadline_seconds, upload_seconds)
         return self.guard.should_save()
 
     def record_save(self, seconds: float, started_seconds: float) -> None:
         self._known.now_seconds = started_seconds + seconds
-        self.guard.record_save(seconds, started_unix=started_seconds)
+        self._saves += 1
+        self.guard.record_save(seconds, started_unix=started_seconds, step=self._saves)
 
-    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
-        self._at(now_seconds, deadline_seconds)
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        self._at(now_seconds, deadline_seconds, upload_seconds)
         return self.guard.should_stop()
 
 
@@ -209,13 +258,51 @@ class SidecarWithPeriodicPolicy(SidecarPolicy):
         super().__init__(**options)
         self.periodic = PeriodicPolicy(interval_seconds)
 
-    def should_save(self, now_seconds: float, deadline_seconds: Optional[float]) -> bool:
-        deadline_save = super().should_save(now_seconds, deadline_seconds)
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        deadline_save = super().should_save(now_seconds, deadline_seconds, upload_seconds)
         return self.periodic.should_save(now_seconds, deadline_seconds) or deadline_save
 
     def record_save(self, seconds: float, started_seconds: float) -> None:
         super().record_save(seconds, started_seconds)
         self.periodic.record_save(seconds, started_seconds)
+
+
+class OraclePolicy:
+    """The limit: knows every future step, save and upload and the true reclaim, and makes
+    one save, after the last step from which the save and its upload still end by the
+    reclaim; then the machine idles. No policy that learns the deadline can lose less
+    with one save."""
+
+    waits = False
+
+    def __init__(self, run: RunInfo) -> None:
+        self.trace = run.trace
+        self.reclaim_seconds = run.reclaim_seconds
+        self._steps = 0
+        self._saved = False
+
+    def _durable_after(self, index: int) -> float:
+        return self.trace.save_seconds(index) + self.trace.upload_seconds(index)
+
+    def record_step(self, seconds: float) -> None:
+        self._steps += 1
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        if self._saved:
+            return False
+        durable = self._durable_after(0)
+        next_step = self.trace.step_seconds(self._steps)
+        return (now_seconds + durable <= self.reclaim_seconds
+                < now_seconds + next_step + durable)
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        self._saved = True
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        return self._saved
 
 
 @dataclass(frozen=True)
@@ -224,31 +311,48 @@ class PolicyFactory:
 
     name: str
     description: str
-    make: Callable[[], Policy]
+    make: Callable[[RunInfo], Policy]
 
 
 POLICIES: dict[str, PolicyFactory] = {
     p.name: p
     for p in (
         PolicyFactory("periodic-15", "save every 15 min, deadline-blind",
-                      lambda: PeriodicPolicy(15 * 60.0)),
+                      lambda run: PeriodicPolicy(15 * 60.0)),
         PolicyFactory("periodic-30", "save every 30 min, deadline-blind",
-                      lambda: PeriodicPolicy(30 * 60.0)),
+                      lambda run: PeriodicPolicy(30 * 60.0)),
         PolicyFactory("periodic-60", "save every 60 min, deadline-blind",
-                      lambda: PeriodicPolicy(60 * 60.0)),
+                      lambda run: PeriodicPolicy(60 * 60.0)),
         PolicyFactory("verl", "verl's ESI rule, esi_redundant_time=120 s as the ESI guide sets it",
-                      lambda: VerlPolicy(redundant_seconds=120.0)),
+                      lambda run: VerlPolicy(redundant_seconds=120.0)),
         PolicyFactory("verl-r0", "verl's ESI rule with verl's default esi_redundant_time=0",
-                      lambda: VerlPolicy(redundant_seconds=0.0)),
-        PolicyFactory("sidecar", "sidecar.train.policy.SavePolicy defaults (max of 100 steps, "
-                      "measured saves x1.2, 120 s margin), once per deadline, then stop",
-                      SidecarPolicy),
+                      lambda run: VerlPolicy(redundant_seconds=0.0)),
+        PolicyFactory("sidecar-previous", "the sidecar before durability: budgets the local "
+                      "save only, exits after its one final save, no top-up",
+                      lambda run: SidecarPolicy(uploads=False, waits=False, top_up_seconds=None)),
+        PolicyFactory("sidecar-no-top-up", "the sidecar's defaults without the top-up save: "
+                      "upload in the budget, waits after the final save (a renewal resumes)",
+                      lambda run: SidecarPolicy(top_up_seconds=None)),
+        PolicyFactory("sidecar", "the sidecar's defaults: SavePolicy (max of 100 steps, measured "
+                      "saves x1.2, 120 s margin) + the upload, the final save, a top-up save "
+                      f"with a {DEFAULT_TOP_UP_SECONDS:g} s margin, then waits for the release",
+                      lambda run: SidecarPolicy()),
         PolicyFactory("sidecar+periodic-30", "the sidecar plus a save every 30 min, all measured "
                       "by the guard; a periodic save is the final one only if the deadline was "
                       "known and inside the window when it started",
-                      lambda: SidecarWithPeriodicPolicy(30 * 60.0)),
+                      lambda run: SidecarWithPeriodicPolicy(30 * 60.0)),
+        PolicyFactory("oracle", "knows the future: one save after the last step from which the "
+                      "save and its upload end by the reclaim (the limit)", OraclePolicy),
     )
 }
+
+
+def top_up_policy(seconds: Optional[float]) -> PolicyFactory:
+    """The sidecar with another top-up margin (None: no top-up): the sweep behind the
+    default (docs/simulation.md)."""
+    label = "none" if seconds is None else f"{seconds:g}"
+    return PolicyFactory(f"sidecar-top-up-{label}", f"the sidecar, top_up_seconds={label}",
+                         lambda run: SidecarPolicy(top_up_seconds=seconds))
 
 
 def get_policy(name: str) -> PolicyFactory:

@@ -10,16 +10,27 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result
 from sidecar.tools.simulate.policies import POLICIES
 from sidecar.tools.simulate.workloads import WORKLOADS
+from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
-__all__ = ["render_document", "render_table", "write_csv", "write_outputs", "write_plot"]
+__all__ = [
+    "Target",
+    "render_document",
+    "render_sweep",
+    "render_table",
+    "render_targets",
+    "targets",
+    "write_csv",
+    "write_outputs",
+    "write_plot",
+]
 
-INFEASIBLE = "lead time < step + save"
+INFEASIBLE = "lead time < step + save + upload"
 
 
 def _minutes(seconds: float) -> str:
@@ -41,17 +52,18 @@ def _misses_text(result: Result) -> str:
 def render_table(results: Sequence[Result]) -> str:
     """One row per (workload, policy): the table printed by the CLI and kept in the doc."""
     lines = [
-        "| workload | policy | feasible runs | missed | lost min (mean / p95 / max) "
-        "| saves | saves in final window | cut by reclaim | saving min | idle min |",
+        "| workload | policy | feasible runs | missed | lost min (median / mean / p95 / max) "
+        "| saves | saves in final window (mean / max) | cut by reclaim | saving min | idle min |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        lost = (f"{_minutes(r.lost_mean_seconds)} / {_minutes(r.lost_p95_seconds)} / "
-                f"{_minutes(r.lost_max_seconds)}")
+        lost = (f"{_minutes(r.lost_median_seconds)} / {_minutes(r.lost_mean_seconds)} / "
+                f"{_minutes(r.lost_p95_seconds)} / {_minutes(r.lost_max_seconds)}")
         lines.append(
             f"| {r.workload} | {r.policy} | {feasible_text(r)} | {_misses_text(r)} | {lost} "
-            f"| {r.saves_mean:.2f} | {r.window_saves_mean:.2f} | {r.interrupted_saves} "
-            f"| {_minutes(r.saving_mean_seconds)} | {_minutes(r.idle_mean_seconds)} |"
+            f"| {r.saves_mean:.2f} | {r.window_saves_mean:.2f} / {r.window_saves_max} "
+            f"| {r.interrupted_saves} | {_minutes(r.saving_mean_seconds)} "
+            f"| {_minutes(r.idle_mean_seconds)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -61,21 +73,28 @@ def _is_stress(name: str) -> bool:
     return workload is not None and bool(workload.stress)
 
 
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 def render_summary(results: Sequence[Result]) -> str:
     """Per policy, over all workloads in the run: misses split reference / stress."""
     lines = [
         "| policy | missed / feasible runs (reference workloads) "
         "| missed / feasible runs (stress workloads) | infeasible runs "
-        "| mean lost min per reclaim (reference) | saves in final window (reference) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| median lost min per reclaim (reference, mean over workloads) "
+        "| idle min per reclaim (reference) | saves in final window (reference, mean / max) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for policy in dict.fromkeys(r.policy for r in results):
         mine = [r for r in results if r.policy == policy]
         ref = [r for r in mine if not _is_stress(r.workload)]
         stress = [r for r in mine if _is_stress(r.workload)]
         feasible = [r for r in ref if r.feasible_runs]
-        lost = sum(r.lost_mean_seconds for r in feasible) / len(feasible) if feasible else 0.0
-        window = sum(r.window_saves_mean for r in feasible) / len(feasible) if feasible else 0.0
+        lost = _mean([r.lost_median_seconds for r in feasible])
+        idle = _mean([r.idle_mean_seconds for r in feasible])
+        window = _mean([r.window_saves_mean for r in feasible])
+        window_max = max((r.window_saves_max for r in feasible), default=0)
 
         def tally(rows: list[Result]) -> str:
             if not rows:
@@ -84,8 +103,100 @@ def render_summary(results: Sequence[Result]) -> str:
 
         lines.append(
             f"| {policy} | {tally(ref)} | {tally(stress)} "
-            f"| {sum(r.infeasible_runs for r in mine)} | {_minutes(lost)} | {window:.2f} |"
+            f"| {sum(r.infeasible_runs for r in mine)} | {_minutes(lost)} | {_minutes(idle)} "
+            f"| {window:.2f} / {window_max} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The top-up target on one workload: median GPU time lost per reclaim no more than
+    the oracle's + one step + 10 % (of the oracle's), no miss, at most two saves."""
+
+    workload: str
+    oracle_seconds: float
+    step_seconds: float
+    policy_seconds: float
+    misses: int
+    window_saves_max: int
+
+    @property
+    def limit_seconds(self) -> float:
+        return self.oracle_seconds * (1 + TARGET_SLACK) + self.step_seconds
+
+    @property
+    def met(self) -> bool:
+        return (self.policy_seconds <= self.limit_seconds and self.misses == 0
+                and self.window_saves_max <= 2)
+
+
+TARGET_SLACK = 0.10
+
+
+def targets(results: Sequence[Result], policy: str = "sidecar") -> list[Target]:
+    """The target per reference workload where both ``policy`` and the oracle ran and
+    runs were feasible."""
+    by_key = {(r.workload, r.policy): r for r in results}
+    rows = []
+    for name in dict.fromkeys(r.workload for r in results):
+        ours, oracle = by_key.get((name, policy)), by_key.get((name, "oracle"))
+        if ours is None or oracle is None or _is_stress(name) or not ours.feasible_runs:
+            continue
+        rows.append(Target(
+            workload=name, oracle_seconds=oracle.lost_median_seconds,
+            step_seconds=WORKLOADS[name].step_seconds if name in WORKLOADS else 0.0,
+            policy_seconds=ours.lost_median_seconds, misses=ours.misses,
+            window_saves_max=ours.window_saves_max,
+        ))
+    return rows
+
+
+def render_targets(results: Sequence[Result], policy: str = "sidecar") -> str:
+    rows = targets(results, policy)
+    if not rows:
+        return ""
+    lines = [
+        f"| workload | oracle median lost s | limit s (oracle x 1.1 + one step) "
+        f"| {policy} median lost s | {policy} missed | {policy} saves per deadline (max) "
+        "| met |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for t in rows:
+        lines.append(
+            f"| {t.workload} | {t.oracle_seconds:.0f} | {t.limit_seconds:.0f} "
+            f"| {t.policy_seconds:.0f} | {t.misses} | {t.window_saves_max} "
+            f"| {'yes' if t.met else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_sweep(sweep: Sequence[Result]) -> str:
+    """One row per top-up margin: misses, saves, the target met on how many workloads,
+    and the median loss per workload."""
+    if not sweep:
+        return ""
+    workloads = list(dict.fromkeys(r.workload for r in sweep if r.policy != "oracle"))
+    margins = list(dict.fromkeys(r.policy for r in sweep if r.policy != "oracle"))
+    by_key = {(r.workload, r.policy): r for r in sweep}
+    head = " | ".join(workloads)
+    lines = [
+        f"| policy | missed | saves per deadline (max) | target met | {head} |",
+        "|---|---:|---:|---:|" + "---:|" * len(workloads),
+    ]
+    for name in margins:
+        mine = [by_key[(w, name)] for w in workloads if (w, name) in by_key]
+        met = targets(sweep, name)
+        cells = " | ".join(f"{by_key[(w, name)].lost_median_seconds:.0f}" for w in workloads)
+        lines.append(
+            f"| {name} | {sum(r.misses for r in mine)} "
+            f"| {max(r.window_saves_max for r in mine)} "
+            f"| {sum(t.met for t in met)} / {len(met)} | {cells} |"
+        )
+    if any(r.policy == "oracle" for r in sweep):
+        cells = " | ".join(f"{by_key[(w, 'oracle')].lost_median_seconds:.0f}"
+                           for w in workloads)
+        lines.append(f"| oracle | - | 1 | - | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,8 +211,6 @@ def headline(results: Sequence[Result]) -> list[str]:
         ref = [r for r in mine if not _is_stress(r.workload)]
         parts = []
         if ref:
-            window = sum(r.window_saves_mean for r in ref) / len(ref)
-            lost = sum(r.lost_mean_seconds for r in ref) / len(ref)
             text = (
                 f"{sum(r.misses for r in ref)} missed deadlines across "
                 f"{sum(r.feasible_runs for r in ref)} feasible runs of the reference workloads"
@@ -110,8 +219,11 @@ def headline(results: Sequence[Result]) -> list[str]:
             if worst.misses:
                 text += f" (worst: {worst.misses}/{worst.feasible_runs} on {worst.workload})"
             parts.append(text)
-            parts.append(f"{window:.1f} saves in the final window and {_minutes(lost)} min "
-                         "lost per reclaim on average")
+            parts.append(
+                f"{_minutes(_mean([r.lost_median_seconds for r in ref]))} min lost per reclaim "
+                f"(median), {_minutes(_mean([r.idle_mean_seconds for r in ref]))} min idle, "
+                f"up to {max(r.window_saves_max for r in ref)} saves per deadline"
+            )
         stress = [r for r in mine if _is_stress(r.workload)]
         if stress:
             parts.append("stress: " + ", ".join(
@@ -157,7 +269,7 @@ def write_plot(results: Sequence[Result], path: Path) -> None:
             if result is None:
                 continue
             y = w_index + (p_index - (len(policies) - 1) / 2) * height
-            value = result.lost_mean_seconds / 60
+            value = result.lost_median_seconds / 60
             ys.append(y)
             values.append(value)
             misses = result.misses if result.feasible_runs else result.infeasible_misses
@@ -175,7 +287,7 @@ def write_plot(results: Sequence[Result], path: Path) -> None:
         [w + (" (stress)" if _is_stress(w) else "") for w in workloads], fontsize=9
     )
     ax.invert_yaxis()
-    ax.set_xlabel("mean training minutes lost per reclaim (per GPU; symlog scale)")
+    ax.set_xlabel("median GPU minutes lost per reclaim (per GPU; symlog scale)")
     ax.set_title("Work lost at the reclaim, by workload and policy (text: missed deadlines)",
                  pad=22)
     ax.grid(axis="x", alpha=0.3)
@@ -187,28 +299,38 @@ def write_plot(results: Sequence[Result], path: Path) -> None:
 
 
 def render_document(
-    results: Sequence[Result], *, seeds: int, notice_delay_seconds: float, plot_name: str | None
+    results: Sequence[Result],
+    *,
+    seeds: int,
+    notice_delay_seconds: float,
+    plot_name: str | None,
+    sweep: Sequence[Result] = (),
 ) -> str:
     """The whole docs/simulation.md."""
     workloads = list(dict.fromkeys(r.workload for r in results))
     policies = list(dict.fromkeys(r.policy for r in results))
     workload_rows = "\n".join(
         f"| {w.name} | {w.description} | {w.step_max_seconds:.0f} | {w.save_max_seconds:.0f} "
-        f"| {w.stress or '-'} |"
+        f"| {w.upload_max_seconds:.0f} | {w.stress or '-'} |"
         for w in (WORKLOADS[n] for n in workloads if n in WORKLOADS)
     )
     policy_rows = "\n".join(
         f"| {p.name} | {p.description} |" for p in (POLICIES[n] for n in policies if n in POLICIES)
     )
     plot = f"![lost minutes per reclaim by workload and policy]({plot_name})\n" if plot_name else ""
+    target_rows = render_targets(results)
+    sweep_rows = render_sweep(sweep)
     return _TEMPLATE.format(
         seeds=seeds,
         delay=f"{notice_delay_seconds:g}",
         margin=f"{WINDOW_MARGIN_SECONDS:g}",
+        top_up=f"{DEFAULT_TOP_UP_SECONDS:g}",
         headline="\n".join(headline(results)),
         workloads=workload_rows,
         policies=policy_rows,
         summary=render_summary(results),
+        targets=target_rows or "(run the `sidecar` and `oracle` policies to see it)\n",
+        sweep=sweep_rows or "(run with `--top-up-sweep` to see it)\n",
         table=render_table(results),
         plot=plot,
     )
@@ -221,6 +343,7 @@ def write_outputs(
     seeds: int,
     notice_delay_seconds: float,
     plot: bool = True,
+    sweep: Sequence[Result] = (),
 ) -> list[Path]:
     """Write simulation.md, simulation.csv and (with ``plot``) simulation.png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -235,6 +358,7 @@ def write_outputs(
             seeds=seeds,
             notice_delay_seconds=notice_delay_seconds,
             plot_name="simulation.png" if plot else None,
+            sweep=sweep,
         )
     )
     return written
@@ -251,6 +375,36 @@ notice delay {delay} s). Do not edit by hand: change `sidecar/tools/simulate/` a
 {headline}
 
 {summary}
+## The top-up target
+
+The guard's final save keeps a 120 s margin; the top-up save after it wins most of that
+margin back. Target: on every reference workload, no missed deadline, at most two saves
+per deadline, and a median loss per reclaim within the oracle's (one perfectly timed
+save) + one step + 10 % of the oracle's.
+
+{targets}
+Where it is not met, no policy that keeps the final save's margin can meet it: the
+final save takes longer than assumed (`slow-saves`: 150 s against the 60 s assumed
+before any save was measured, so nothing fits after it) or the upload of one
+checkpoint is longer than a step and a save (`upload-3min`: a top-up would become
+durable only after the final checkpoint's upload, which the uploader finishes first
+so that the final checkpoint is never put at risk for a top-up). The sidecar then
+makes its one final save and loses the margin, as before, and misses nothing.
+
+## Choosing the top-up margin
+
+`SavePolicy(top_up_seconds=...)`, the margin the top-up keeps before the release on top
+of the x1.2 on measured saves and uploads. The same runs for each margin on the
+reference workloads where a deadline is feasible (median GPU seconds lost per reclaim):
+
+{sweep}
+The default is **{top_up} s**: the smallest margins (0 to 5 s) meet the target on every
+workload where a top-up fits; 10 s already misses it on `upload-1min` and 20 s or more
+on all. No margin produced a miss here: a top-up cut by the release (a straggler step
+after all, a slow save) loses only the steps trained since the final save, which is
+durable. A margin above zero keeps a few seconds for what the simulator does not
+model (the daemon's poll, clocks); `top_up_seconds=None` turns the top-up off.
+
 ## The model
 
 A trace-driven, discrete-event simulation (no sleeping): time advances by drawn
@@ -258,24 +412,35 @@ durations, so thousands of two-hour runs take seconds.
 
 - The job runs training steps back to back; durations are drawn from the workload.
   After every step the policy is asked whether to save; a save blocks training for a
-  drawn duration. The run starts from a checkpoint (a resumed job).
+  drawn duration. The run starts from a durable checkpoint (a resumed job).
+- **Durability.** The machine's local disk goes with it. Without an uploader a local
+  save is durable at once; with one (`upload-*` workloads) a checkpoint is durable when
+  its upload ends. The uploader is the daemon's: one upload at a time, newest first (an
+  older one waiting is skipped), and near the release (within 600 s, or twice the
+  estimate) an upload in progress gives way to a newer checkpoint unless both still end
+  before the known deadline. The policies are told the uploader's estimate (the
+  largest of the last 3 uploads x 1.2), as `/v1/expiry` serves it.
 - The machine is reclaimed when the true deadline is reached. The deadline may move
   mid-run; the job learns of a move **{delay} s** after it happened (the daemon serves it
   after its next poll). A deadline known before the run is known at once.
-- A save still in progress at the reclaim is lost. A policy that says "stop" ends the
-  job (the documented `CheckpointGuard` loop `break`s); the machine then idles.
-- Every policy meets the same trace for a seed: step *i* and save *k* take the same
-  time and the deadline moves at the same instants (common random numbers; `random`
+- A save still in progress at the reclaim is lost, and so is an upload.
+- **Stop and wait.** A policy that stops either ends the job (the machine then idles:
+  periodic saving never stops, `verl` never stops, `sidecar-previous` and `oracle` do) or
+  waits, as `CheckpointGuard.should_stop()` does by default: it is asked again at each
+  deadline change it learns of, and training resumes in the same process when the
+  release moved later (a renewal), with the rule re-armed.
+- Every policy meets the same trace for a seed: step *i*, save *k* and upload *k* take the
+  same time and the deadline moves at the same instants (common random numbers; `random`
   seeded with `"<workload>/<seed>/..."`, so results are identical on every machine).
 
 ## Workloads
 
-`step max` and `save max` are the largest durations the workload can draw; they set
-feasibility and the final window. Stress workloads hide something from a policy that
-only knows its own measurements; they are reported apart.
+`step max`, `save max` and `upload max` are the largest durations the workload can
+draw; they set feasibility and the final window. Stress workloads hide something from
+a policy that only knows its own measurements; they are reported apart.
 
-| workload | description | step max s | save max s | stress: what it hides |
-|---|---|---:|---:|---|
+| workload | description | step max s | save max s | upload max s | stress: what it hides |
+|---|---|---:|---:|---:|---|
 {workloads}
 
 ## Policies
@@ -291,32 +456,37 @@ and the max is updated at the end of the step, so it is 0 on the first step), a 
 max_step + esi_redundant_time`; all of it only when `save_freq > 0` (with verl's default
 `save_freq: -1` the ESI trigger never fires). `save_freq` is set beyond the run length,
 so only the ESI trigger is compared. `verl` uses `esi_redundant_time = 120 s`, the value
-the ESI guide configures; `verl-r0` uses verl's own default, 0 s.
-`sidecar` is the real `sidecar.train.policy.SavePolicy` (not a copy), called as
-`CheckpointGuard` calls it: `record_step` after each step, `evaluate` for "save now?",
-`record_save` (with the deciding budget and the deadline known when the save started)
-after each save, `evaluate` again for "stop?".
+the ESI guide configures; `verl-r0` uses verl's own default, 0 s. verl knows nothing of
+uploads.
+The `sidecar*` policies are the real `sidecar.train.guard.CheckpointGuard` and
+`sidecar.train.policy.SavePolicy` (not a copy) on the simulated clock:
+`record_step` after each step, `should_save()`, `record_save` after each save,
+`should_stop()`. `sidecar-previous` is the behaviour before durability was budgeted: no
+upload in the budget, no top-up, the job exits after its final save.
 
-## Metrics (per reclaim, averaged over seeds)
+## Metrics (per reclaim, over the seeds)
 
 - **lead time**: reclaim time minus the time the job learned the deadline that was
   enforced (the whole run for a release known from the start).
-- **feasible**: lead time >= step max + save max: from the worst moment (a worst-case
-  step just started) one more step and one save still fit. Where no run is feasible
-  the table says "{infeasible}"; such runs are not counted as a policy's misses.
+- **feasible**: lead time >= step max + save max + upload max: from the worst moment (a
+  worst-case step just started) one more step, one save and its upload still fit. Where
+  no run is feasible the table says "{infeasible}"; such runs are not counted as a
+  policy's misses.
 - **final window**: opens at the later of the moment the job learned the enforced
-  deadline and `W` before the reclaim, `W = step max + save max + {margin} s` (the seed
-  rule's budget with the workload's worst step and save and the guide's margin).
-- **missed**: at the reclaim, training was done since the newest completed checkpoint
-  and that checkpoint was completed before the final window opened. A job that saved
-  and stopped loses nothing and does not miss, even if it then idled.
-- **lost min**: training time (whole steps and the step cut by the reclaim) since the
-  newest completed checkpoint: GPU-minutes per GPU to redo (multiply by the job's GPU
-  count). mean / p95 / max over the seeds.
+  deadline and `W` before the reclaim, `W = step max + save max + upload max + {margin} s`
+  (the seed rule's budget with the workload's worst step, save and upload, and the
+  guide's margin).
+- **missed**: at the reclaim, training was done since the newest *durable* checkpoint
+  and that checkpoint's save ended before the final window opened.
+- **lost min**: GPU time per reclaim after the training state the next machine resumes
+  from (the start of the newest durable checkpoint's save) until the reclaim: the final
+  save itself, steps to redo, idling. Per GPU: multiply by the job's GPU count. The
+  oracle's is the least one save can do (its save, its upload and less than a step).
 - **saves**: completed saves per run. **saves in final window**: saves ending inside the
-  final window, the one cut by the reclaim included. **cut by reclaim**: runs whose last
-  save was in progress at the reclaim. **saving min**: time spent saving (cut save
-  included). **idle min**: time between the policy's stop and the reclaim.
+  final window, the one cut by the reclaim included (mean, and the most in any run).
+  **cut by reclaim**: runs whose last save was in progress at the reclaim. **saving
+  min**: time spent saving (cut save included). **idle min**: time neither training nor
+  saving (after an exit, or waiting for the release).
 
 ## Results
 
@@ -325,32 +495,27 @@ after each save, `evaluate` again for "stop?".
 ## Reading the results
 
 - Periodic saving loses about half its interval per reclaim on average and up to a
-  whole interval (plus a step and a save), whatever the deadline does; "missed" counts
-  the runs whose last checkpoint was older than the final window.
+  whole interval (plus a step and a save), whatever the deadline does.
 - verl keeps saving on every step inside its window, each save adding to its running
-  max and so widening the window; the last save is usually cut by the reclaim. With
-  `esi_redundant_time = 0` the save starts about one step + 60 s before the reclaim and
-  a save longer than that is lost: every run misses on slow saves.
-- The sidecar saves once per deadline and stops: it loses no work, and pays with the
-  idle column (the margin left after its save, about 2 min on steady work) instead of
-  verl's repeated saves. When the release is extended after the job stopped, the
-  machine idles until the new deadline unless something restarts the job; its save then
-  ended before the new final window (saves in final window below 1), but nothing is lost.
+  max and so widening the window; the last save is usually cut by the reclaim. It
+  ignores uploads: with a 3 min upload every run misses. With `esi_redundant_time = 0`
+  the save starts about one step + 60 s before the reclaim, and a longer save or any
+  upload is lost.
+- `sidecar-previous` saves once and exits: nothing lost on local disks, about 3 min of
+  GPU time per reclaim (the margin), all of the extension idle when a release is moved
+  later after its save (`extended`), and every run missed once the upload is longer
+  than the margin (`upload-3min`): its final checkpoint was never durable.
+- `sidecar` budgets the upload (0 misses with uploads), waits after the final save so a
+  renewal resumes training (`extended`: no idle extension), and its top-up save wins the
+  margin back: about the oracle + 20 s where a top-up fits.
 - A save covers deadlines (up to one budget after it started) only if it was made for
   one: the deadline was known when the save started and already inside the rule's
-  window. A periodic save made before a notice or a brought-forward release arrived no
-  longer makes the policy stop at once: the minute of training done since gets its own
-  final save. Before this rule, that cost `sidecar+periodic-30` 3/200 misses on
-  `spot-notice-120s` and 1/200 on `brought-forward` (up to 1 min lost each); now 0. A
-  periodic save made inside the window is the final save, and a notice learned while a
-  save is being written needs no second save (nothing was trained since).
+  window. A periodic save made before a notice or a brought-forward release arrived does
+  not make the policy stop: the training done since gets its own final save.
 - Short-lead notices: where the notice arrives too late for a step and a save, only a
   periodic save bounds the loss, hence `sidecar+periodic-30`.
 - Stress workloads: a save never measured is assumed to take 60 s (`save_seconds`);
-  configure it, or let the guard measure periodic saves. A spike rarer than the step
-  window (100 steps) is forgotten by the estimate; a longer `window` keeps it.
-  Both defaults are kept on purpose (see `sidecar/train/policy.py`): a larger assumed save
-  would stop every other job earlier for nothing, and a longer window would also keep a
-  one-off warm-up step in the budget, which the step times alone cannot tell from a
-  rare recurring spike.
+  configure it, or let the guard measure periodic saves (the guard's measurements also
+  travel with the checkpoint, `CheckpointGuard.state_dict()`). A spike rarer than the
+  step window (100 steps) is forgotten by the estimate; a longer `window` keeps it.
 """.replace("{infeasible}", INFEASIBLE)

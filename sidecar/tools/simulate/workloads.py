@@ -43,9 +43,11 @@ class Trace:
         # unlike hash(), so a seed gives the same run everywhere.
         self._step_rng = random.Random(f"{workload.name}/{seed}/steps")
         self._save_rng = random.Random(f"{workload.name}/{seed}/saves")
+        self._upload_rng = random.Random(f"{workload.name}/{seed}/uploads")
         self.changes = workload.schedule(random.Random(f"{workload.name}/{seed}/deadline"))
         self._steps: list[float] = []
         self._saves: list[float] = []
+        self._uploads: list[float] = []
 
     def step_seconds(self, index: int) -> float:
         """Duration of step ``index`` (0-based)."""
@@ -59,6 +61,12 @@ class Trace:
             self._saves.append(self.workload.draw_save(self._save_rng))
         return self._saves[index]
 
+    def upload_seconds(self, index: int) -> float:
+        """How long the ``index``-th save of the run takes to upload (0: no uploader)."""
+        while len(self._uploads) <= index:
+            self._uploads.append(self.workload.draw_upload(self._upload_rng))
+        return self._uploads[index]
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -67,8 +75,11 @@ class Workload:
     Steps take ``step_seconds`` +- ``step_jitter`` (uniform, relative); every
     ``spike_every``-th step takes ``spike_factor`` times as long (validation); each step is
     a straggler with ``straggler_probability``, taking 3-5x. Saves take ``save_seconds`` +-
-    ``save_jitter``. ``step_max_seconds`` and ``save_max_seconds`` are the largest values these can
-    draw: they define whether a run is feasible at all and the final window (see engine).
+    ``save_jitter``. A checkpoint becomes durable ``upload_seconds`` +- ``upload_jitter``
+    after its save (the daemon's uploader; 0: no uploader, the local save is durable).
+    ``step_max_seconds``, ``save_max_seconds`` and ``upload_max_seconds`` are the largest
+    values these can draw: they define whether a run is feasible at all and the final
+    window (see engine).
     """
 
     name: str
@@ -82,6 +93,8 @@ class Workload:
     straggler_factor: tuple[float, float] = (3.0, 5.0)
     save_seconds: float = 60.0
     save_jitter: float = 0.10
+    upload_seconds: float = 0.0
+    upload_jitter: float = 0.10
     # Non-empty for a stress workload: what it hides from a policy that only sees its
     # own measurements (the reference workloads leave it empty).
     stress: str = ""
@@ -98,6 +111,9 @@ class Workload:
     def draw_save(self, rng: random.Random) -> float:
         return self.save_seconds * rng.uniform(1 - self.save_jitter, 1 + self.save_jitter)
 
+    def draw_upload(self, rng: random.Random) -> float:
+        return self.upload_seconds * rng.uniform(1 - self.upload_jitter, 1 + self.upload_jitter)
+
     @property
     def step_max_seconds(self) -> float:
         factor = 1.0
@@ -110,6 +126,10 @@ class Workload:
     @property
     def save_max_seconds(self) -> float:
         return self.save_seconds * (1 + self.save_jitter)
+
+    @property
+    def upload_max_seconds(self) -> float:
+        return self.upload_seconds * (1 + self.upload_jitter)
 
     def trace(self, seed: int) -> Trace:
         return Trace(self, seed)
@@ -179,6 +199,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("extended-then-back",
                  "extended as above, then 0-10 min past the original moved back to 20 min away",
                  extended_then_back),
+        Workload("upload-1min", "as steady, each checkpoint then uploads for 60 s +-10% "
+                 "(18 GB at 300 MB/s)", fixed_release, upload_seconds=60.0),
+        Workload("upload-3min", "as steady, each checkpoint then uploads for 180 s +-10% "
+                 "(longer than a step and a save)", fixed_release, upload_seconds=180.0),
         Workload("spot-notice-120s", "no scheduled release; preemption notice 120 s before reclaim",
                  spot_notice(120.0)),
         Workload("spot-notice-30s", "no scheduled release; preemption notice 30 s before reclaim",
