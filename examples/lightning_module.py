@@ -31,6 +31,7 @@ from sidecar.integrations.lightning import (
     latest_checkpoint,
 )
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
+from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 
 class TinyRegression(pl.LightningModule):
@@ -75,6 +76,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
     parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
+    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
+                        type=lambda text: None if text == "off" else float(text),
+                        help="margin of the top-up save after the final one ('off': none; "
+                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
@@ -87,7 +92,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     # save at the same step. (A guard built here, before fit, could not have it.)
     esi = EsiCheckpointCallback(
         dirpath=checkpoints,
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds),
+        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds,
+                   top_up_seconds=args.top_up_seconds),
     )
     trainer = pl.Trainer(
         accelerator="cpu",

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from sidecar import EXIT_RELEASED, CheckpointGuard, SavePolicy, atomic_checkpoint, latest_valid
 from sidecar.tools.demo.toy_model import build_model
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
+from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 
 def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
@@ -38,7 +39,7 @@ def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
     while step < steps:
         with guard.step():  # times the step: the policy's T_max_step
             model.train_step()
-        if guard.should_save():  # once, when the deadline is near
+        if guard.should_save():  # the final save near the deadline, then maybe a top-up
             with guard.saving(step), atomic_checkpoint(root, step) as folder:  # times T_save
                 model.save(folder, step)
         if guard.should_stop():  # saved, then waited: the release has come
@@ -62,13 +63,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--save-seconds", type=float, default=None,
                         help="assumed save time until one is measured (default: the policy's)")
+    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
+                        type=lambda text: None if text == "off" else float(text),
+                        help="margin of the top-up save after the final one ('off': none; "
+                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     environ = dict(os.environ)
     if args.release_in is not None:
         environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
-    policy = SavePolicy() if args.save_seconds is None else SavePolicy(args.save_seconds)
+    policy = SavePolicy(top_up_seconds=args.top_up_seconds)
+    if args.save_seconds is not None:
+        policy = SavePolicy(args.save_seconds, top_up_seconds=args.top_up_seconds)
     guard = CheckpointGuard(policy=policy, environ=environ)
     model = build_model(seed=0)
     with tempfile.TemporaryDirectory() as scratch:

@@ -32,6 +32,7 @@ from sidecar import SavePolicy
 from sidecar.integrations.distributed import distributed_guard
 from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
+from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -68,6 +69,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
     parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
+    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
+                        type=lambda text: None if text == "off" else float(text),
+                        help="margin of the top-up save after the final one ('off': none; "
+                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
@@ -99,7 +104,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     # After init_process_group: the guard then reduces its decisions across the ranks.
     guard = distributed_guard(
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds)
+        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds,
+                   top_up_seconds=args.top_up_seconds)
     )
     step = start_step  # steps done, as in the checkpoint's name
     while step < args.steps:

@@ -54,7 +54,8 @@ def main(config: dict[str, Any]) -> None:
         return wall[0]
 
     def policy() -> SavePolicy:
-        return SavePolicy(save_seconds=5, redundant_seconds=5)
+        return SavePolicy(save_seconds=5, redundant_seconds=5,
+                          top_up_seconds=config.get("top_up"))
 
     # With "wait", the reduced guard waits for the release after its final save; the
     # simulated wall clock advances by what it sleeps. Without, it answers the stop
@@ -80,6 +81,8 @@ def main(config: dict[str, Any]) -> None:
         -1.0,
         7.0 if rank == last else float("-inf"),
         30.0 if rank == 0 else -1.0,  # one node's uploader knows its upload time
+        float("inf") if rank == 0 else float(rank),  # steps since the final save: MIN
+        -1.0 if rank == 0 else 2.0 * rank,  # typical step: MAX
     )
 
     torch.manual_seed(0)

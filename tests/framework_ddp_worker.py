@@ -6,7 +6,8 @@
 Started like torchrun starts ranks (environment variables), so each framework sets up
 torch.distributed itself. The callback is used with its DEFAULT guard (policy defaults,
 real clocks, the daemon from ESI_SIDECAR_URL, which differs per rank): this is what a
-user gets, and the reducer must be picked up on its own.
+user gets, and the reducer must be picked up on its own. Only the top-up save is off:
+with the release 100 real seconds ahead it would train on until 5 s before it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sidecar.integrations.distributed import TorchReducer, reducer_if_distributed
+from sidecar.train.policy import SavePolicy
 
 MAX_STEPS = 10
 
@@ -58,7 +60,8 @@ def run_hf(out: Path) -> dict[str, Any]:
     )
     # The stop decision, agreed by both ranks, answered at once: waiting for rank 0's
     # release (100 s ahead) is what test_release_wait.py checks.
-    callback = EsiCheckpointCallback(wait_for_release=False)
+    callback = EsiCheckpointCallback(policy=SavePolicy(top_up_seconds=None),
+                                     wait_for_release=False)
     trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(), callbacks=[callback])
     trainer.train()
     return {
@@ -90,7 +93,8 @@ def run_lightning(out: Path) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(64, 4, generator=generator)
     dataset = torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
-    callback = EsiCheckpointCallback(out / "ckpt", wait_for_release=False)
+    callback = EsiCheckpointCallback(out / "ckpt", policy=SavePolicy(top_up_seconds=None),
+                                     wait_for_release=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -26,7 +26,7 @@ from typing import Optional
 import pytest
 from daemon_harness import serve_daemon
 
-from sidecar.train.checkpoint import latest_valid
+from sidecar.train.checkpoint import latest_valid, list_checkpoints
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,19 +215,21 @@ def test_cli_status_imports_no_server_module(tmp_path: Path) -> None:
 
 
 def test_example_runs_without_torch(tmp_path: Path) -> None:
-    """examples/plain_pytorch.py falls back to its toy model, saves once, waits for the
-    release and exits with EXIT_RELEASED (75); resumed, it runs to the end."""
+    """examples/plain_pytorch.py falls back to its toy model, makes the final save at
+    once (6 s left), trains on and makes the top-up save about 5 s before the release,
+    waits for it and exits with EXIT_RELEASED (75); resumed, it runs to the end from the
+    top-up checkpoint."""
     python = _bare_python(sys.executable, tmp_path / "venv")
     with socket.socket() as sock:  # a port nobody listens on: no daemon, env fallback
         sock.bind(("127.0.0.1", 0))
         dead_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     checkpoints = tmp_path / "checkpoints"
-    command = [str(python), str(SOURCE_ROOT / "examples" / "plain_pytorch.py"), "--steps", "50"]
+    command = [str(python), str(SOURCE_ROOT / "examples" / "plain_pytorch.py")]
     environment = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(SOURCE_ROOT)}
     environment["ESI_SIDECAR_URL"] = dead_url
     released = subprocess.run(
-        [*command, "--release-in", "6", "--save-seconds", "1", "--checkpoints",
-         str(checkpoints)],
+        [*command, "--steps", "1000000000", "--release-in", "6", "--save-seconds", "1",
+         "--checkpoints", str(checkpoints)],
         capture_output=True,
         text=True,
         env=environment,
@@ -235,18 +237,21 @@ def test_example_runs_without_torch(tmp_path: Path) -> None:
     )
     assert released.returncode == 75, released.stderr
     assert "the release time has passed" in released.stderr
-    assert "model=PlainModel ran to step 1/50" in released.stdout
+    assert "top-up checkpoint now" in released.stderr
     assert "deadline from env" in released.stdout
     saved = latest_valid(checkpoints)  # written through atomic_checkpoint, so it validates
-    assert saved is not None and saved.step == 0
-    assert json.loads((saved.path / "state.json").read_text())["step"] == 0
-    # Resumed without a deadline: runs to the end from the checkpoint.
+    assert saved is not None and saved.step > 0
+    assert json.loads((saved.path / "state.json").read_text())["step"] == saved.step
+    assert [c.step for c in list_checkpoints(checkpoints)] == [saved.step, 0]  # top-up, final
+    assert f"model=PlainModel ran to step {saved.step + 1}/1000000000" in released.stdout
+    # Resumed without a deadline: runs to the end from the top-up checkpoint.
+    total = saved.step + 5
     resumed = subprocess.run(
-        [*command, "--checkpoints", str(checkpoints)],
+        [*command, "--steps", str(total), "--checkpoints", str(checkpoints)],
         capture_output=True,
         text=True,
         env=environment,
         timeout=60,
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert "ran to step 50/50" in resumed.stdout
+    assert f"ran to step {total}/{total}" in resumed.stdout

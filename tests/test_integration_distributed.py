@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -72,6 +72,7 @@ def run_workers(
     base_unix: float,
     reduce: bool = True,
     wait: bool = False,
+    top_up: Optional[float] = None,
     group_timeout: float = 20,
     limit: float = 90,
 ) -> list[tuple[int, Any, str]]:
@@ -89,6 +90,7 @@ def run_workers(
             "url": url,
             "reduce": reduce,
             "wait": wait,
+            "top_up": top_up,
             "base_unix": float(int(base_unix)),
             "wall_seconds_per_step": 10.0,
             "step_seconds": STEP_SECONDS[rank],
@@ -146,7 +148,8 @@ def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -
     # "unknown" -1 loses), save unknown everywhere stays -1, one rank's cover wins, the
     # one node's upload estimate wins over the others' "no uploader" -1.
     for r in results:
-        assert r["probe"] == [100.0, float(world_size - 1), -1.0, 7.0, 30.0]
+        assert r["probe"] == [100.0, float(world_size - 1), -1.0, 7.0, 30.0, 1.0,
+                              2.0 * (world_size - 1)]
 
     # Every rank saved exactly once, at the same step, and all ranks were inside the
     # collective save together (the token summed to the world size).
@@ -164,6 +167,22 @@ def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -
     assert local[0] == [RANK0_ALONE_SAVE_STEP]
     assert all(saves == [] for saves in local[1:])
     assert elapsed < 60
+
+
+def test_all_ranks_make_the_top_up_save_at_the_same_step(tmp_path: Path) -> None:
+    """After the final save at step 7 (30 s left), a typical step (rank 1's 20 s, the
+    largest median) plus a near-instant save still fits with top_up_seconds=0: every
+    rank trains step 8 and enters the collective top-up save there, then stops."""
+    base_unix = time.time()
+    with ExitStack() as stack:
+        urls = start_daemons(stack, 2, base_unix)
+        outcomes = run_workers(tmp_path, urls, base_unix=base_unix, top_up=0.0)
+    for code, _body, stderr in outcomes:
+        assert code == 0, stderr[-2000:]
+    for r in [body for _code, body, _stderr in outcomes]:
+        assert r["saves"] == [EXPECTED_SAVE_STEP, EXPECTED_SAVE_STEP + 1], r
+        assert r["save_tokens"] == [2.0, 2.0]
+        assert r["stop_steps"][0] == EXPECTED_SAVE_STEP + 1, r
 
 
 def test_without_the_reducer_the_collective_save_fails(tmp_path: Path) -> None:
@@ -201,15 +220,11 @@ def test_reducer_in_one_process_group(tmp_path: Path) -> None:
     try:
         reducer = reducer_if_distributed()
         assert isinstance(reducer, TorchReducer)
-        assert reducer(float("inf"), -1.0, -1.0, float("-inf"), -1.0) == (
-            float("inf"),
-            -1.0,
-            -1.0,
-            float("-inf"),
-            -1.0,
-        )
+        unknown = (float("inf"), -1.0, -1.0, float("-inf"), -1.0, float("inf"), -1.0)
+        assert reducer(*unknown) == unknown
         large = 4.0e9 + 0.25  # float64: a Unix-scale number survives exactly
-        assert reducer(large, 3.5, 61.0, -2.0, 12.5) == (large, 3.5, 61.0, -2.0, 12.5)
+        known = (large, 3.5, 61.0, -2.0, 12.5, -1.0, 3.0)
+        assert reducer(*known) == known
         assert isinstance(distributed_guard()._reducer, TorchReducer)
     finally:
         dist.destroy_process_group()

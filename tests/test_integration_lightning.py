@@ -98,17 +98,27 @@ def train(
     stop: bool = True,
     by_policy: bool = False,
     plugins: Optional[list[Any]] = None,
+    top_up: Optional[float] = None,
+    straggler: Optional[int] = None,
 ) -> tuple[Any, Any]:
-    """One fit; ``by_policy``: the callback gets policy= and guard options, not guard=."""
+    """One fit; ``by_policy``: the callback gets policy= and guard options, not guard=.
+
+    ``top_up``: the top-up margin (None: none, the save-once-and-stop tests). With one,
+    steps and saves are timed on the simulated clock too (a step takes its 100 s), so
+    that whether a top-up fits is decided on the same time the release uses. ``straggler``:
+    that optimizer step takes 120 s more."""
     from sidecar.integrations.lightning import EsiCheckpointCallback
 
     holder: dict[str, Any] = {}
 
     def clock() -> float:  # simulated wall time: 100 s per completed optimizer step
         trainer = holder.get("trainer")
-        return base_unix + WALL_SECONDS_PER_STEP * (0 if trainer is None else trainer.global_step)
+        step = 0 if trainer is None else trainer.global_step
+        late = 120 if straggler is not None and step >= straggler else 0
+        return base_unix + WALL_SECONDS_PER_STEP * step + late
 
-    policy = SavePolicy(save_seconds=30, redundant_seconds=40)
+    policy = SavePolicy(save_seconds=30, redundant_seconds=40, top_up_seconds=top_up)
+    timing: dict[str, Any] = {} if top_up is None else {"monotonic": clock}
     if by_policy:
         callback = EsiCheckpointCallback(
             tmp_path / "ckpt", stop_after_save=stop,
@@ -118,8 +128,9 @@ def train(
         assert callback.guard is None  # built in on_train_start, inside fit()
     else:
         guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock,
-                                wait_for_release=False)
-        callback = EsiCheckpointCallback(tmp_path / "ckpt", guard=guard, stop_after_save=stop)
+                                wait_for_release=False, **timing)
+        callback = EsiCheckpointCallback(tmp_path / "ckpt", guard=guard, stop_after_save=stop,
+                                         **timing)
     trainer = make_trainer(tmp_path, MAX_STEPS, [callback], accumulate=accumulate,
                            plugins=plugins)
     holder["trainer"] = trainer
@@ -149,6 +160,46 @@ def test_saves_once_then_stops(
     assert checkpoint["global_step"] == EXPECTED_SAVE_STEP
     assert set(checkpoint["state_dict"]) == {"layer.weight", "layer.bias"}
     assert checkpoint["optimizer_states"]
+
+
+def test_top_up_save_after_the_final_one_then_stops(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    # Steps take 100 s: the final save at step 8 (150 s left <= 100 + 30 + 40). The save
+    # takes no simulated time, so 150 s > a step + the save + a 0 s margin: train step
+    # 9 and save again there (50 s left), then stop.
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, top_up=0.0)
+    names = sorted(path.name for path in (tmp_path / "ckpt").iterdir())
+    assert names == ["esi-epoch=0-step=8.ckpt", "esi-epoch=0-step=9.ckpt"]
+    assert callback.saves == 2 and callback.stopped is True
+    assert trainer.global_step == 9
+    status = callback.guard.status()
+    assert (status.final_step, status.top_up_step) == (8, 9)
+
+
+def test_a_top_up_that_no_longer_fits_stops_without_a_save(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    # As above, but step 9 straggles (220 s): the release has passed when it ends, so no
+    # top-up save is started and training stops there (not at max_steps: the callback
+    # stops on the guard's decision at a step without a save too).
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, top_up=0.0, straggler=9)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["esi-epoch=0-step=8.ckpt"]
+    assert callback.saves == 1 and callback.stopped is True
+    assert trainer.global_step == 9
+
+
+def test_no_top_up_when_no_step_fits_after_the_final_save(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    # A 60 s margin: 150 s left after the final save at step 8 <= 100 + 0 + 60: stop there.
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, top_up=60.0)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["esi-epoch=0-step=8.ckpt"]
+    assert callback.saves == 1 and callback.stopped is True
+    assert trainer.global_step == 8
 
 
 def test_without_stop_trains_on_and_still_saves_once(
@@ -343,7 +394,8 @@ POLICY_WORKER = textwrap.dedent(
     out, result = sys.argv[1], sys.argv[2]
     # Built BEFORE fit(), before the process group exists: the user's usual order.
     callback = EsiCheckpointCallback(
-        os.path.join(out, "ckpt"), policy=SavePolicy(save_seconds=60, redundant_seconds=500),
+        os.path.join(out, "ckpt"),
+        policy=SavePolicy(save_seconds=60, redundant_seconds=500, top_up_seconds=None),
         wait_for_release=False,
     )
     assert not dist.is_initialized() and callback.guard is None

@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -52,9 +52,15 @@ class TinyDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
 
 def train(
-    tmp_path: Path, url: str, base_unix: float, stop_after_save: bool, by_policy: bool = False
+    tmp_path: Path, url: str, base_unix: float, stop_after_save: bool, by_policy: bool = False,
+    top_up: Optional[float] = None, straggler: Optional[int] = None,
 ) -> tuple[Any, Any]:
-    """One run; ``by_policy``: the callback gets policy= and guard options, not guard=."""
+    """One run; ``by_policy``: the callback gets policy= and guard options, not guard=.
+
+    ``top_up``: the top-up margin (None: none, the save-once-and-stop tests). With one,
+    steps and saves are timed on the simulated clock too (a step takes its 100 s), so
+    that whether a top-up fits is decided on the same time the release uses.
+    ``straggler``: that optimizer step takes 120 s more."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from sidecar.integrations.transformers import EsiCheckpointCallback
@@ -68,9 +74,11 @@ def train(
     def clock() -> float:  # simulated wall time: 100 s per completed optimizer step
         trainer = holder.get("trainer")
         step = 0 if trainer is None else trainer.state.global_step
-        return base_unix + WALL_SECONDS_PER_STEP * step
+        late = 120 if straggler is not None and step >= straggler else 0
+        return base_unix + WALL_SECONDS_PER_STEP * step + late
 
-    policy = SavePolicy(save_seconds=30, redundant_seconds=40)
+    policy = SavePolicy(save_seconds=30, redundant_seconds=40, top_up_seconds=top_up)
+    timing: dict[str, Any] = {} if top_up is None else {"monotonic": clock}
     if by_policy:
         # The simulated clock only moves with training steps: the guard answers the stop
         # at once rather than wait for the release (test_release_wait.py covers the wait).
@@ -81,8 +89,9 @@ def train(
         assert callback.guard is None  # built in on_train_begin
     else:
         guard = CheckpointGuard(client=SidecarClient(url), policy=policy, clock=clock,
-                                wait_for_release=False)
-        callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save)
+                                wait_for_release=False, **timing)
+        callback = EsiCheckpointCallback(guard=guard, stop_after_save=stop_after_save,
+                                         **timing)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -130,6 +139,36 @@ def test_saves_once_then_stops(
     assert callback.stopped is True
     assert callback.guard.policy.measured_save_estimate() is not None  # the save was timed
     assert callback.guard.policy.redundant_seconds == 40
+
+
+def test_top_up_save_after_the_final_one_then_stops(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    # Steps take 100 s: the final save at step 8 (150 s left <= 100 + 30 + 40). The save
+    # takes no simulated time, so 150 s > a step + the save + a 0 s margin: train step
+    # 9 and save again there (50 s left), then stop.
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=True, top_up=0.0)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-8", "checkpoint-9"]
+    assert trainer.state.global_step == 9
+    assert callback.saves_requested == 2 and callback.saves_recorded == 2
+    assert callback.stopped is True
+    status = callback.guard.status()
+    assert (status.final_step, status.top_up_step) == (8, 9)
+
+
+def test_a_top_up_that_no_longer_fits_stops_without_a_save(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    # Step 9 straggles (220 s): the release has passed when it ends, so no top-up save
+    # is started and training stops there, not at max_steps.
+    url, base_unix = daemon_url
+    trainer, callback = train(tmp_path, url, base_unix, stop_after_save=True, top_up=0.0,
+                              straggler=9)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-8"]
+    assert trainer.state.global_step == 9
+    assert callback.saves_requested == 1 and callback.stopped is True
 
 
 def test_guard_with_policy_or_options_is_refused() -> None:

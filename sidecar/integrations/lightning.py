@@ -138,17 +138,27 @@ class _EsiLightningLogic:
             guard.record_step(max(0.0, now - self._since))
         self._since = now
         if not guard.should_save():  # collective with a reducer: every rank calls it here
+            # Trained on towards a top-up that no longer fits: stop (and wait) now.
+            # The decision is the reduced one, so every rank takes this branch alike.
+            decision = guard.last_decision
+            if self.stop_after_save and decision is not None and decision.stop:
+                self._stop(trainer, guard)
+                self._since = self._monotonic()
             return
         path = self.checkpoint_path(trainer)
         with guard.saving(step):  # timed and counted only if it returns
             _save_atomically(trainer, path)  # collective as well: every rank calls it here
         self.last_checkpoint_path = path
         self.saves += 1
-        if self.stop_after_save and guard.should_stop():  # may wait for the release
-            trainer.should_stop = True
-            self.stopped = True
+        if self.stop_after_save:
+            self._stop(trainer, guard)
         # Neither the save nor a wait for the release (a renewal resumes) is a step.
         self._since = self._monotonic()
+
+    def _stop(self, trainer: Any, guard: CheckpointGuard) -> None:
+        if guard.should_stop():  # collective; may wait for the release
+            trainer.should_stop = True
+            self.stopped = True
 
 
 # -- the atomic save ----------------------------------------------------------------------

@@ -158,6 +158,13 @@ class _EsiCallbackLogic:
         if guard.should_save():  # collective with a reducer: every rank calls it here
             control.should_save = True
             self.saves_requested += 1
+        elif self.stop_after_save and guard.last_decision is not None and (
+            guard.last_decision.stop
+        ):
+            # Trained on towards a top-up that no longer fits: stop (and wait) now. The
+            # decision is the reduced one, so every rank takes this branch alike.
+            self._stop(guard, control)
+            self._since = self._monotonic()
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -178,12 +185,16 @@ class _EsiCallbackLogic:
                 except OSError as exc:
                     log.warning("could not keep the guard state in %s: %s", folder, exc)
         self._decided_at = None
-        if self.stop_after_save and guard.should_stop():  # may wait for the release
-            control.should_training_stop = True
-            self.stopped = True
+        if self.stop_after_save:
+            self._stop(guard, control)
         # Neither the save nor a wait for the release (a renewal resumes) is a step.
         self._since = self._monotonic()
         return control
+
+    def _stop(self, guard: CheckpointGuard, control: Any) -> None:
+        if guard.should_stop():  # collective; may wait for the release
+            control.should_training_stop = True
+            self.stopped = True
 
 
 @functools.cache
