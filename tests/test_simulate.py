@@ -28,7 +28,7 @@ from sidecar.train.policy import SavePolicy
 REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]
 SEEDS = 50
 # Where no top-up fits after the final save (docs/simulation.md, "The top-up target").
-NO_TOP_UP = {"slow-saves", "upload-3min"}
+NO_TOP_UP = {"slow-saves", "upload-3min", "spot-notice-120s"}
 
 
 def no_top_up(factory: Callable[[RunInfo], Policy], name: str) -> PolicyFactory:
@@ -55,13 +55,16 @@ def test_top_up_target_on_the_reference_workloads() -> None:
     results = run(REFERENCE, ["sidecar", "oracle", "sidecar-no-top-up"], seeds=SEEDS)
     rows = {t.workload: t for t in targets(results)}
     assert set(rows) == set(REFERENCE) - {"spot-notice-30s"}  # that one is infeasible
-    assert {name for name, t in rows.items() if not t.met} == NO_TOP_UP
     for t in rows.values():
         assert t.misses == 0 and t.window_saves_max <= 2, t
         assert t.oracle_seconds <= t.policy_seconds, t
+    # Met wherever a top-up fits; one save per deadline where none does.
+    assert {name for name, t in rows.items() if t.window_saves_max < 2} == NO_TOP_UP
+    assert all(t.met for name, t in rows.items() if name not in NO_TOP_UP)
+    assert not rows["upload-3min"].met  # the margin is large against the oracle's loss
     # The top-up is what meets it: without it every target with a top-up is missed.
     without = {t.workload: t for t in targets(results, "sidecar-no-top-up")}
-    assert [name for name, t in without.items() if t.met] == ["spot-notice-120s"]
+    assert not any(t.met for name, t in without.items() if name not in NO_TOP_UP)
 
 
 def test_durability_is_budgeted_and_a_renewal_is_not_wasted() -> None:

@@ -73,6 +73,10 @@ def _is_stress(name: str) -> bool:
     return workload is not None and bool(workload.stress)
 
 
+def _saves(count: int) -> str:
+    return f"{count} save" + ("" if count == 1 else "s")
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -171,12 +175,36 @@ def render_targets(results: Sequence[Result], policy: str = "sidecar") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _no_top_up_text(results: Sequence[Result], policy: str = "sidecar") -> str:
+    """Why some rows have one save per deadline: no top-up fitted there."""
+    single = [t.workload for t in targets(results, policy) if t.window_saves_max < 2]
+    if not single:
+        return ""
+    missed = [t.workload for t in targets(results, policy) if not t.met]
+    return (
+        f"No top-up fits after the final save on {', '.join(single)}: the sidecar makes its "
+        "one final save there, loses the margin as before, and misses nothing. A top-up "
+        "needs a typical step, a save and its upload to fit in what is left after the final "
+        "save; that fails when the save takes longer than assumed (`slow-saves`: 150 s "
+        "against the 60 s assumed before any save was measured), when the upload of one "
+        "checkpoint is longer than a step and a save (`upload-3min`: a top-up becomes "
+        "durable only after the final checkpoint's upload, which the uploader finishes "
+        "first so that the final checkpoint is never put at risk for a top-up), or when "
+        "the notice comes too late (`spot-notice-120s`). "
+        + ("The target is then missed where the 120 s margin is large against the "
+           f"oracle's own loss: {', '.join(missed)}. No policy that keeps the final save's "
+           "margin can meet it there." if missed else "")
+        + "\n"
+    )
+
+
 def render_sweep(sweep: Sequence[Result]) -> str:
     """One row per top-up margin: misses, saves, the target met on how many workloads,
     and the median loss per workload."""
     if not sweep:
         return ""
-    workloads = list(dict.fromkeys(r.workload for r in sweep if r.policy != "oracle"))
+    workloads = list(dict.fromkeys(r.workload for r in sweep
+                                   if r.policy != "oracle" and r.feasible_runs))
     margins = list(dict.fromkeys(r.policy for r in sweep if r.policy != "oracle"))
     by_key = {(r.workload, r.policy): r for r in sweep}
     head = " | ".join(workloads)
@@ -197,15 +225,31 @@ def render_sweep(sweep: Sequence[Result]) -> str:
         cells = " | ".join(f"{by_key[(w, 'oracle')].lost_median_seconds:.0f}"
                            for w in workloads)
         lines.append(f"| oracle | - | 1 | - | {cells} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + _sweep_reading(sweep, margins)
+
+
+def _sweep_reading(sweep: Sequence[Result], margins: Sequence[str]) -> str:
+    """Per margin, the workloads with a top-up on which the target is missed."""
+    topped = {r.workload for r in sweep if r.window_saves_max >= 2 and r.feasible_runs}
+    parts = []
+    for name in margins:
+        missed = [t.workload for t in targets(sweep, name) if not t.met and t.workload in topped]
+        label = name.rsplit("-", 1)[-1]
+        label = "no top-up" if label == "none" else f"{label} s"
+        text = ("none" if not missed else "all of them" if len(missed) == len(topped)
+                else ", ".join(missed))
+        parts.append(f"{label}: {text}")
+    return ("\nTarget missed, among the workloads where a top-up fits ("
+            + ", ".join(sorted(topped)) + "): " + "; ".join(parts) + ".\n")
 
 
 def headline(results: Sequence[Result]) -> list[str]:
     """The sentences at the top of the doc, computed from whichever policies ran."""
     lines = []
-    # This project's policy first, then verl's, then the rest, as the doc is read.
+    # This project's policy first, its variants, verl's, the rest, the oracle last.
     order = sorted(dict.fromkeys(r.policy for r in results),
-                   key=lambda name: (not name.startswith("sidecar"), not name.startswith("verl")))
+                   key=lambda name: (name != "sidecar", not name.startswith("sidecar"),
+                                     not name.startswith("verl"), name == "oracle"))
     for policy in order:
         mine = [r for r in results if r.policy == policy and r.feasible_runs]
         ref = [r for r in mine if not _is_stress(r.workload)]
@@ -222,7 +266,7 @@ def headline(results: Sequence[Result]) -> list[str]:
             parts.append(
                 f"{_minutes(_mean([r.lost_median_seconds for r in ref]))} min lost per reclaim "
                 f"(median), {_minutes(_mean([r.idle_mean_seconds for r in ref]))} min idle, "
-                f"up to {max(r.window_saves_max for r in ref)} saves per deadline"
+                f"up to {_saves(max(r.window_saves_max for r in ref))} per deadline"
             )
         stress = [r for r in mine if _is_stress(r.workload)]
         if stress:
@@ -319,6 +363,7 @@ def render_document(
     )
     plot = f"![lost minutes per reclaim by workload and policy]({plot_name})\n" if plot_name else ""
     target_rows = render_targets(results)
+    no_top_up = _no_top_up_text(results)
     sweep_rows = render_sweep(sweep)
     return _TEMPLATE.format(
         seeds=seeds,
@@ -329,6 +374,7 @@ def render_document(
         workloads=workload_rows,
         policies=policy_rows,
         summary=render_summary(results),
+        no_top_up=no_top_up,
         targets=target_rows or "(run the `sidecar` and `oracle` policies to see it)\n",
         sweep=sweep_rows or "(run with `--top-up-sweep` to see it)\n",
         table=render_table(results),
@@ -383,14 +429,7 @@ per deadline, and a median loss per reclaim within the oracle's (one perfectly t
 save) + one step + 10 % of the oracle's.
 
 {targets}
-Where it is not met, no policy that keeps the final save's margin can meet it: the
-final save takes longer than assumed (`slow-saves`: 150 s against the 60 s assumed
-before any save was measured, so nothing fits after it) or the upload of one
-checkpoint is longer than a step and a save (`upload-3min`: a top-up would become
-durable only after the final checkpoint's upload, which the uploader finishes first
-so that the final checkpoint is never put at risk for a top-up). The sidecar then
-makes its one final save and loses the margin, as before, and misses nothing.
-
+{no_top_up}
 ## Choosing the top-up margin
 
 `SavePolicy(top_up_seconds=...)`, the margin the top-up keeps before the release on top
@@ -398,12 +437,11 @@ of the x1.2 on measured saves and uploads. The same runs for each margin on the
 reference workloads where a deadline is feasible (median GPU seconds lost per reclaim):
 
 {sweep}
-The default is **{top_up} s**: the smallest margins (0 to 5 s) meet the target on every
-workload where a top-up fits; 10 s already misses it on `upload-1min` and 20 s or more
-on all. No margin produced a miss here: a top-up cut by the release (a straggler step
-after all, a slow save) loses only the steps trained since the final save, which is
-durable. A margin above zero keeps a few seconds for what the simulator does not
-model (the daemon's poll, clocks); `top_up_seconds=None` turns the top-up off.
+The default is **{top_up} s**, the largest margin that met the target on every workload
+where a top-up fits. No margin produced a miss here: a top-up cut by the release (a
+straggler step after all, a slow save) loses only the steps trained since the final
+save, which is durable. A margin above zero keeps a few seconds for what the simulator
+does not model (the daemon's poll, clocks); `top_up_seconds=None` turns the top-up off.
 
 ## The model
 
@@ -507,7 +545,7 @@ upload in the budget, no top-up, the job exits after its final save.
   than the margin (`upload-3min`): its final checkpoint was never durable.
 - `sidecar` budgets the upload (0 misses with uploads), waits after the final save so a
   renewal resumes training (`extended`: no idle extension), and its top-up save wins the
-  margin back: about the oracle + 20 s where a top-up fits.
+  margin back where one fits (the target table above).
 - A save covers deadlines (up to one budget after it started) only if it was made for
   one: the deadline was known when the save started and already inside the rule's
   window. A periodic save made before a notice or a brought-forward release arrived does
