@@ -230,6 +230,7 @@ def run_demo(args: argparse.Namespace) -> int:
         screen.say(f"3. Training {total_steps} steps of {args.step_seconds:g} s "
                    f"(more than fit before the release), {args.checkpoint_mb} MiB checkpoints")
         final: Optional[dict[str, Any]] = None
+        top_up: Optional[dict[str, Any]] = None
         durable_at: Optional[float] = None
         while time.time() < release:
             for event in first.drain():
@@ -245,6 +246,11 @@ def run_demo(args: argparse.Namespace) -> int:
                     screen.say(f"   final checkpoint at step {event['step'] + 1}, "
                                f"{event['remaining']:.1f} s before the release{budget}; "
                                "the trainer waits for the release")
+                elif event["event"] == "save" and event["kind"] == "top-up":
+                    top_up = event
+                    screen.say(f"   top-up checkpoint at step {event['step'] + 1}, "
+                               f"{event['remaining']:.1f} s before the release: the margin "
+                               "left after the final one held a step and another save")
             if final is not None and durable_at is None:
                 uploads = _get(url + "/v1/uploads?limit=0") or {}
                 if (uploads.get("last_durable_step") or -1) >= final["step"]:
@@ -312,6 +318,9 @@ def run_demo(args: argparse.Namespace) -> int:
                        f"{release - final['time']:.1f} s before the reclaim")
         else:
             screen.say("  final save            none before the reclaim")
+        if top_up is not None:
+            screen.say(f"  top-up save           step {top_up['step'] + 1}, "
+                       f"{release - top_up['time']:.1f} s before the reclaim")
         if durable_at is not None:
             screen.say(f"  durable               {release - durable_at:.1f} s before the reclaim, "
                        f"on {NETWORK_VOLUME}/")

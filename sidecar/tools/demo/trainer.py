@@ -85,8 +85,10 @@ def train(
             # daemon the throughput, so the final save budgets the upload it needs.
             save(guard, model, root, step, ballast_mb, "routine")
         if guard.should_save():
-            save(guard, model, root, step, ballast_mb, "final")
-        if guard.should_stop():  # after the final save: waits here for the release
+            decision = guard.last_decision
+            top_up = decision is not None and decision.top_up
+            save(guard, model, root, step, ballast_mb, "top-up" if top_up else "final")
+        if guard.should_stop():  # after the final (and top-up) save: waits for the release
             emit("stop", step=step, released=guard.released)
             if wait_after_stop:
                 # The release has come and the machine is being reclaimed: a real job
