@@ -2,6 +2,7 @@
 
     python examples/plain_pytorch.py --steps 50
     python examples/plain_pytorch.py --steps 50 --release-in 30   # pretend: released soon
+    python examples/plain_pytorch.py --steps 100000000 --sigterm-grace 25  # then: kill -TERM
 
 The daemon (``esi-sidecar serve``) tells the guard when this machine goes away; without
 one, the guard falls back to the platform's capacity-block variables. ``--release-in``
@@ -63,6 +64,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--save-seconds", type=float, default=None,
                         help="assumed save time until one is measured (default: the policy's)")
+    parser.add_argument("--sigterm-grace", type=float, default=None, metavar="SECONDS",
+                        help="take SIGTERM as the release this many seconds later (set it "
+                        "below the platform's grace period; default: SIGTERM ends the job)")
     parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
                         type=lambda text: None if text == "off" else float(text),
                         help="margin of the top-up save after the final one ('off': none; "
@@ -76,7 +80,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     policy = SavePolicy(top_up_seconds=args.top_up_seconds)
     if args.save_seconds is not None:
         policy = SavePolicy(args.save_seconds, top_up_seconds=args.top_up_seconds)
-    guard = CheckpointGuard(policy=policy, environ=environ)
+    guard = CheckpointGuard(policy=policy, environ=environ,
+                            sigterm_grace_seconds=args.sigterm_grace)
     model = build_model(seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         root = args.checkpoints or Path(scratch)

@@ -36,6 +36,7 @@ from typing import Callable, Optional, Protocol, TypeVar
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
+from sidecar.train.sigterm import SigtermDeadline
 
 __all__ = [
     "EXIT_RELEASED",
@@ -153,6 +154,13 @@ class CheckpointGuard:
     - ``reducer``: see :class:`Reducer`; None for a single process.
     - ``environ``: where to read the fallback deadline variables (default ``os.environ``,
       read once here).
+    - ``sigterm_grace_seconds``: take SIGTERM as a deadline this many seconds after it
+      came (GCP/Azure preemption, Kubernetes eviction, SLURM ``--signal``: set it a few
+      seconds below the platform's grace period). The next step saves; without a
+      reducer ``should_stop()`` then returns True at once (a SIGTERM is never renewed);
+      across ranks every rank learns the deadline through the reduction and they leave
+      together at it. Opt-in, works without any daemon; the guard must be built in the
+      main thread, and its handler replaces the process's SIGTERM handler.
 
     Where the deadline comes from (see :class:`DeadlineTracker`, which caches it): the
     daemon's answer while it has a current one; the environment variables when the daemon
@@ -174,6 +182,7 @@ class CheckpointGuard:
         environ: Optional[Mapping[str, str]] = None,
         wait_for_release: bool = True,
         sleep: Callable[[float], None] = time.sleep,
+        sigterm_grace_seconds: Optional[float] = None,
     ) -> None:
         self._tracker = DeadlineTracker(
             client if client is not None else SidecarClient(),
@@ -202,6 +211,11 @@ class CheckpointGuard:
         self._final = _FinalSave()
         self._top_up = _FinalSave()
         self._warned_upload: Optional[str] = None  # the upload state last warned about
+        self.sigterm: Optional[SigtermDeadline] = None
+        if sigterm_grace_seconds is not None:
+            self.sigterm = SigtermDeadline(sigterm_grace_seconds, clock)
+            self.sigterm.install()
+        self._said_sigterm = False
 
     @property
     def client(self) -> SidecarClient:
@@ -380,6 +394,12 @@ class CheckpointGuard:
         self._follow_final_save()
         if not decision.stop or not self.wait_for_release:
             return decision.stop
+        if self._reducer is None and self._sigterm_deadline() is not None:
+            # A SIGTERM is never taken back: leave now, before the SIGKILL.
+            self.released = True
+            logger.info("SIGTERM received and the checkpoint saved: leaving the training "
+                        "loop (exit status %d)", EXIT_RELEASED)
+            return True
         return self._wait_for_release(decision)
 
     def _wait_for_release(self, decision: PolicyDecision) -> bool:
@@ -435,6 +455,7 @@ class CheckpointGuard:
         decision, _deadline = self._decide(reduce=False)
         self._follow_final_save()
         deadline, source = self._tracker.deadline(refresh=False)
+        deadline, source = self._with_sigterm(deadline, source)
         final, top_up = self._final, self._top_up
         return GuardStatus(
             remaining_seconds=decision.remaining_seconds,
@@ -513,13 +534,14 @@ class CheckpointGuard:
     def _decide(self, *, reduce: bool) -> tuple[PolicyDecision, Optional[float]]:
         """The decision, and the absolute deadline it used (reduced across ranks)."""
         now_unix = self._clock()
+        deadline: Optional[float] = None
         try:
             deadline, _source = self._tracker.deadline()
         except Exception:  # a bug of ours must not stop training
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
                 self._warned_internal = True
-            deadline = None
+        deadline, _source = self._with_sigterm(deadline, None)
         policy = self.policy
         remaining = None if deadline is None else deadline - now_unix
         step = policy.step_estimate()
@@ -530,6 +552,8 @@ class CheckpointGuard:
         if upload is None and self._tracker.upload_status is not None:
             upload = self._upload_fallback  # a new uploader knows no rate yet: the saved one
         after_final: Optional[float] = None  # the policy's own
+        if self._sigterm_deadline() is not None:
+            after_final = -1.0  # as if topped up: after a SIGTERM, one save and leave
         self._warn_upload_state()
         if reduce and self._reducer is not None:
             reduced = self._reducer(
@@ -538,7 +562,7 @@ class CheckpointGuard:
                 UNKNOWN_SAVE if measured_save is None else measured_save,
                 UNKNOWN_COVERED if covered is None else covered,
                 UNKNOWN_UPLOAD if upload is None else upload,
-                policy.steps_after_final(),
+                policy.steps_after_final() if after_final is None else after_final,
                 UNKNOWN_STEP if typical is None else typical,
             )
             r, s, v, c, u, a, m = (float(x) for x in reduced)
@@ -559,6 +583,24 @@ class CheckpointGuard:
             typical_step_seconds=typical,
         )
         return decision, None if remaining is None else now_unix + remaining
+
+    def _sigterm_deadline(self) -> Optional[float]:
+        return None if self.sigterm is None else self.sigterm.deadline()
+
+    def _with_sigterm(
+        self, deadline: Optional[float], source: Optional[str]
+    ) -> tuple[Optional[float], Optional[str]]:
+        """The earlier of ``deadline`` and the SIGTERM's, said once when it came."""
+        term = self._sigterm_deadline()
+        if term is None:
+            return deadline, source
+        if not self._said_sigterm:
+            self._said_sigterm = True
+            logger.warning("SIGTERM received: the machine goes in %.0f s; saving at the next "
+                           "decision", max(0.0, term - self._clock()))
+        if deadline is None or term < deadline:
+            return term, "sigterm"
+        return deadline, source
 
     def _warn_upload_state(self) -> None:
         """One line when the uploader starts failing, one when it is back."""
