@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = [
+    "DEFAULT_AWS_IMDS_URL",
     "DEFAULT_LISTEN",
     "DEFAULT_METADATA_URL",
     "KIND_PREEMPTION",
@@ -28,6 +29,7 @@ DEFAULT_LISTEN = "127.0.0.1:8791"
 # The ECS instance metadata service: the settings table's default and the Volcengine
 # source's. Here because both may import this module, and nothing heavier.
 DEFAULT_METADATA_URL = "http://100.96.0.96"
+DEFAULT_AWS_IMDS_URL = "http://169.254.169.254"  # EC2's instance metadata service
 
 KIND_SCHEDULED_RELEASE = "scheduled-release"
 KIND_PREEMPTION = "preemption-notice"

@@ -9,7 +9,10 @@ Accepted:
   by magnitude (AWS documents its capacity-block timestamp in seconds on one page and
   in milliseconds on another, so we must accept both);
 - a naive date-time (no offset), read in a configured time zone (default UTC); the
-  result says which zone was assumed so callers can report it.
+  result says which zone was assumed so callers can report it;
+- with :func:`parse_http_date`, RFC 1123 / RFC 2822 dates (``Mon, 19 Sep 2016 18:29:47
+  GMT``, ``21 Jan 2019 09:00:43 GMT``), as AWS maintenance events and Azure Scheduled
+  Events write them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "ParsedTime",
     "TimestampError",
     "format_rfc3339",
+    "parse_http_date",
     "parse_timestamp",
     "parse_unix",
 ]
@@ -163,3 +167,22 @@ def format_rfc3339(when: Union[datetime, float]) -> str:
     if when.microsecond:
         text += f".{when.microsecond:06d}".rstrip("0")
     return text + "Z"
+
+
+def parse_http_date(value: str) -> ParsedTime:
+    """An RFC 1123 / RFC 2822 date with its zone (GMT, UTC or an offset). Raises
+    :class:`TimestampError` naming the value."""
+    from email.utils import parsedate_to_datetime
+
+    if not isinstance(value, str) or not value.strip():
+        raise TimestampError(f"empty or not a date: {_describe(value)}")
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        raise TimestampError(f"not an RFC 1123 date: {_describe(value)}") from None
+    if when.tzinfo is None:  # "-0000": the zone is unknown
+        raise TimestampError(f"no time zone in {_describe(value)}")
+    when = when.astimezone(timezone.utc)
+    if when < EARLIEST:
+        raise TimestampError(f"before 2000, not a deadline: {_describe(value)}")
+    return ParsedTime(when)

@@ -74,7 +74,7 @@ def test_time_zone_names_and_offsets() -> None:
         ({}, {"ESI_SIDECAR_POLL_INTERVAL": "0"}, "ESI_SIDECAR_POLL_INTERVAL value '0'"),
         ({"listen": ["localhost"]}, {}, "--listen value 'localhost'"),
         ({"listen": ["127.0.0.1:99999"]}, {}, "port out of range"),
-        ({"source": ["aws"]}, {}, "unknown source 'aws'"),
+        ({"source": ["gcp"]}, {}, "unknown source 'gcp'"),
         ({"api_endpoint": "127.0.0.1:9000"}, {}, "http://"),
         ({"log_level": "loud"}, {}, "--log-level"),
         ({"timezone": "Mars/Olympus"}, {}, "--timezone"),

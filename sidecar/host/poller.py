@@ -94,7 +94,8 @@ class Poller:
             self._store.record_failure(source.name, message, throttled=exc.throttled)
             self._log_failure(source.name, message)
             failures = self._failures(source.name)
-            delay = next_delay(self._interval, failures, throttled=exc.throttled, rng=self._rng)
+            delay = next_delay(self._interval_of(source), failures, throttled=exc.throttled,
+                               rng=self._rng)
         except Exception as exc:  # a bug in a source must not kill its thread
             # Only the type and the place: a source scrubs secrets from its SourceErrors,
             # but an unexpected exception's text is unvetted, so it is neither served nor
@@ -104,7 +105,8 @@ class Poller:
             self._store.record_failure(source.name, message)
             log.error("%s; please report it", message)
             self._last_logged_error[source.name] = message
-            delay = next_delay(self._interval, self._failures(source.name), rng=self._rng)
+            delay = next_delay(self._interval_of(source), self._failures(source.name),
+                               rng=self._rng)
         else:
             if self._suspect(source.name, observation):
                 count = self._vanished[source.name]
@@ -113,7 +115,7 @@ class Poller:
                            "it is confirmed gone")
                 self._store.record_failure(source.name, message)
                 self._log_failure(source.name, message.split(" (")[0])
-                delay = min(self._interval, CONFIRM_DELAY_SECONDS)
+                delay = min(self._interval_of(source), CONFIRM_DELAY_SECONDS)
                 self._mark_attempted(source.name)
                 return delay
             self._vanished[source.name] = 0
@@ -124,9 +126,15 @@ class Poller:
             if changed:
                 log.info("source %s: %s", source.name, _describe(observation))
                 self.save()
-            delay = next_delay(self._interval, 0, rng=self._rng)
+            delay = next_delay(self._interval_of(source), 0, rng=self._rng)
         self._mark_attempted(source.name)
         return delay
+
+    def _interval_of(self, source: Source) -> float:
+        """A source that must be polled on its own cadence says so (the aws source: every
+        2 s, for a two-minute notice); the others follow --poll-interval."""
+        own = getattr(source, "poll_interval_seconds", None)
+        return float(own) if own else self._interval
 
     def _suspect(self, name: str, observation: Observation) -> bool:
         """A successful poll without a deadline, where one was known: suspect until

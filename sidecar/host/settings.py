@@ -17,7 +17,7 @@ from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.models import DEFAULT_LISTEN, DEFAULT_METADATA_URL
+from sidecar.models import DEFAULT_AWS_IMDS_URL, DEFAULT_LISTEN, DEFAULT_METADATA_URL
 from sidecar.timeparse import TimestampError, parse_timestamp
 
 __all__ = [
@@ -72,6 +72,9 @@ class Settings:
     upload_scan_interval: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     upload_addressing_style: str = "auto"
     upload_max_bandwidth: Optional[int] = None  # bytes per second; None: no cap
+    # AWS EC2 (the aws source): the instance metadata service, IMDSv2 unless allowed.
+    aws_imds_url: str = DEFAULT_AWS_IMDS_URL
+    aws_imdsv1: bool = False
 
     @property
     def effective_stale_after(self) -> float:
@@ -79,6 +82,15 @@ class Settings:
 
 
 # ---------------------------------------------------------------- value parsers
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
 
 
 def _positive_seconds(text: str) -> float:
@@ -247,7 +259,8 @@ OPTIONS: tuple[Option, ...] = (
            f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
            "HOST:PORT", repeatable=True),
     Option("source", _source_names, "where the deadline comes from: volcengine-esi (default), "
-           "env, static; comma-separate several (the earliest deadline wins)", "NAME",
+           "aws (EC2 spot notices and maintenance), env, static; comma-separate several (the "
+           "earliest deadline wins)", "NAME",
            repeatable=True),
     Option("instance_id", _text, "ECS instance id (default: ask the metadata service)", "ID"),
     Option("scheduled_instance_id", _text, "ESI scheduled instance id (default: look it up "
@@ -269,6 +282,10 @@ OPTIONS: tuple[Option, ...] = (
            "seconds / milliseconds", "TIME"),
     Option("timezone", _zone, "time zone for timestamps that carry no offset (default UTC)",
            "ZONE"),
+    Option("aws_imds_url", _url, f"AWS instance metadata service for the aws source "
+           f"(default {DEFAULT_AWS_IMDS_URL})", "URL"),
+    Option("aws_imdsv1", _boolean, "let the aws source fall back to IMDSv1 (no session "
+           "token) when the token request is refused: true or false (default false)", "BOOL"),
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
            "DIR"),

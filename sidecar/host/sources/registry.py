@@ -13,10 +13,12 @@ __all__ = ["SOURCES", "canonical_name", "create_source"]
 # name -> "module:factory"; each factory takes the daemon Settings and returns a Source.
 SOURCES: dict[str, str] = {
     "volcengine-esi": "sidecar.host.sources.volcengine:from_settings",
+    "aws": "sidecar.host.sources.aws:from_settings",
     "env": "sidecar.host.sources.env:from_settings",
     "static": "sidecar.host.sources.static:from_settings",
 }
-ALIASES: dict[str, str] = {"volcengine": "volcengine-esi", "esi": "volcengine-esi"}
+ALIASES: dict[str, str] = {"volcengine": "volcengine-esi", "esi": "volcengine-esi",
+                           "ec2": "aws", "aws-spot": "aws"}
 
 
 def canonical_name(name: str) -> str:

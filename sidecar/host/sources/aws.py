@@ -1,0 +1,211 @@
+"""AWS EC2: spot interruption notices and scheduled maintenance, from the instance
+metadata service (IMDS), version 2.
+
+Every poll (every 2 s, as AWS advises for the two-minute spot notice):
+
+- ``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds`` gives a session
+  token; it is kept until a minute before its TTL ends, and fetched again on a 401.
+  IMDSv1 (no token) is used only when ``--aws-imdsv1 true`` allows it and the token
+  request is refused.
+- ``GET /latest/meta-data/spot/instance-action``: 404 while nothing is planned; then
+  ``{"action": "terminate" | "stop" | "hibernate", "time": "2026-12-01T08:22:00Z"}``,
+  the moment the instance goes: served as a preemption notice.
+- ``GET /latest/meta-data/events/maintenance/scheduled``: a JSON list of events; each
+  one not ``completed`` or ``canceled`` has a ``NotBefore`` ("21 Jan 2019 09:00:43 GMT"):
+  the earliest is served as scheduled maintenance.
+- ``GET /latest/meta-data/events/recommendations/rebalance``: ``{"noticeTime": ...}`` is
+  advice that the instance is at elevated risk, not a deadline: logged once, not served.
+
+urllib3 (already installed with the Volcengine SDK) does the HTTP, with no proxy: the
+metadata service is link-local. Short timeouts (0.5 s connect, 1 s read): a hung service
+costs one poll, and a host that is not on EC2 fails fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import urllib3
+
+from sidecar.host.sources.base import Observation, SourceError
+from sidecar.models import DEFAULT_AWS_IMDS_URL, KIND_PREEMPTION
+from sidecar.timeparse import TimestampError, parse_http_date, parse_timestamp
+
+__all__ = ["KIND_MAINTENANCE", "AwsSource", "from_settings"]
+
+log = logging.getLogger("sidecar.host.sources.aws")
+
+KIND_MAINTENANCE = "scheduled-maintenance"
+TOKEN_TTL_SECONDS = 21600  # the longest IMDS allows: six hours
+TOKEN_REFRESH_SECONDS = 60.0  # fetch a new token this long before the old one ends
+POLL_INTERVAL_SECONDS = 2.0
+SPOT_PATH = "/latest/meta-data/spot/instance-action"
+MAINTENANCE_PATH = "/latest/meta-data/events/maintenance/scheduled"
+REBALANCE_PATH = "/latest/meta-data/events/recommendations/rebalance"
+INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+_DONE_STATES = ("completed", "canceled", "cancelled")
+
+
+class AwsSource:
+    name = "aws"
+    #: The poller polls this source this often, whatever --poll-interval says.
+    poll_interval_seconds = POLL_INTERVAL_SECONDS
+
+    def __init__(
+        self,
+        url: str = DEFAULT_AWS_IMDS_URL,
+        *,
+        allow_imdsv1: bool = False,
+        connect_timeout: float = 0.5,
+        read_timeout: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._url = url.rstrip("/")
+        self._allow_imdsv1 = allow_imdsv1
+        self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
+        self._http = urllib3.PoolManager(retries=False, timeout=self._timeout)
+        self._monotonic = monotonic
+        self._token: Optional[str] = None
+        self._token_until = 0.0
+        self._v1 = False  # the token request was refused and IMDSv1 is allowed
+        self._instance_id: Optional[str] = None
+        self._rebalance_seen: Optional[str] = None
+
+    # ------------------------------------------------------------------ poll
+
+    def poll(self) -> Observation:
+        spot = self._get_json(SPOT_PATH, "spot instance-action")
+        maintenance = self._get_json(MAINTENANCE_PATH, "scheduled maintenance")
+        self._note_rebalance()
+        if self._instance_id is None:
+            status, body = self._get(INSTANCE_ID_PATH)
+            if status == 200 and body.strip():
+                self._instance_id = body.strip()
+        candidates = []
+        if spot is not None:
+            candidates.append((_spot_time(spot), KIND_PREEMPTION))
+        if maintenance is not None:
+            earliest = _maintenance_time(maintenance)
+            if earliest is not None:
+                candidates.append((earliest, KIND_MAINTENANCE))
+        if not candidates:
+            return Observation(expires_at_unix=None, instance_id=self._instance_id)
+        when, kind = min(candidates)
+        return Observation(expires_at_unix=when, kind=kind, instance_id=self._instance_id)
+
+    def _note_rebalance(self) -> None:
+        """Advice, not a deadline: one log line per new notice."""
+        try:
+            notice = self._get_json(REBALANCE_PATH, "rebalance recommendation")
+        except SourceError:
+            return  # advisory only: never fails the poll
+        text = None if notice is None else str(notice.get("noticeTime", notice)
+                                                if isinstance(notice, dict) else notice)
+        if text is not None and text != self._rebalance_seen:
+            log.warning("AWS rebalance recommendation (%s): this spot instance is at elevated "
+                        "risk of interruption; no deadline yet", text)
+        self._rebalance_seen = text
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _get_json(self, path: str, what: str) -> Any:
+        """The JSON body at ``path``; None on 404 (nothing planned)."""
+        status, body = self._get(path)
+        if status == 404:
+            return None
+        if status != 200:
+            raise SourceError(f"IMDS {what}: HTTP {status} from {self._url}{path}")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise SourceError(f"IMDS {what}: not JSON: {_clip(body)}") from None
+
+    def _get(self, path: str) -> tuple[int, str]:
+        """GET with the session token; a 401 fetches a new token and tries once more."""
+        for attempt in (1, 2):
+            token = None if self._v1 else self._session_token()
+            headers = {} if self._v1 or token is None else {"X-aws-ec2-metadata-token": token}
+            response = self._request("GET", path, headers)
+            if response.status == 401 and attempt == 1 and not self._v1:
+                self._token = None  # expired or revoked: a new one, then again
+                continue
+            if response.status == 401:
+                raise SourceError(f"IMDS refused the session token (HTTP 401) at {path}")
+            return response.status, response.data.decode("utf-8", "replace")
+        raise AssertionError("unreachable")
+
+    def _session_token(self) -> str:
+        if self._token is not None and self._monotonic() < self._token_until:
+            return self._token
+        response = self._request(
+            "PUT", "/latest/api/token",
+            {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_SECONDS)},
+        )
+        token = response.data.decode("ascii", "replace").strip()
+        if response.status == 200 and token:
+            self._token = token
+            self._token_until = self._monotonic() + TOKEN_TTL_SECONDS - TOKEN_REFRESH_SECONDS
+            return token
+        if self._allow_imdsv1 and response.status in (403, 404, 405):
+            log.warning("IMDSv2 token refused (HTTP %s); using IMDSv1 as --aws-imdsv1 allows",
+                        response.status)
+            self._v1 = True
+            return ""
+        raise SourceError(f"IMDSv2 session token: HTTP {response.status} from {self._url} "
+                          "(IMDSv1 is not used unless --aws-imdsv1 true)")
+
+    def _request(self, method: str, path: str, headers: dict[str, str]) -> Any:
+        try:
+            return self._http.request(method, self._url + path, headers=headers,
+                                      preload_content=True, redirect=False)
+        except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
+            raise SourceError(f"IMDS at {self._url}: cannot connect: not on EC2?") from None
+        except urllib3.exceptions.ConnectTimeoutError:
+            raise SourceError(f"IMDS at {self._url}: connect timed out "
+                              f"({self._timeout.connect_timeout:g} s): not on EC2?") from None
+        except urllib3.exceptions.ReadTimeoutError:
+            raise SourceError(f"IMDS at {self._url}: no answer within "
+                              f"{self._timeout.read_timeout:g} s") from None
+        except urllib3.exceptions.HTTPError as exc:
+            raise SourceError(f"IMDS at {self._url}: {type(exc).__name__}") from None
+
+    def close(self) -> None:
+        self._http.clear()
+
+
+def _spot_time(notice: Any) -> float:
+    if not isinstance(notice, dict) or "time" not in notice:
+        raise SourceError(f"IMDS spot instance-action without a time: {_clip(notice)}")
+    try:
+        return parse_timestamp(notice["time"]).unix
+    except TimestampError as exc:
+        raise SourceError(f"IMDS spot instance-action: {exc}") from None
+
+
+def _maintenance_time(events: Any) -> Optional[float]:
+    if not isinstance(events, list):
+        raise SourceError(f"IMDS scheduled maintenance is not a list: {_clip(events)}")
+    times = []
+    for event in events:
+        if not isinstance(event, dict):
+            raise SourceError(f"IMDS scheduled maintenance event: {_clip(event)}")
+        if str(event.get("State", "")).lower() in _DONE_STATES:
+            continue
+        try:
+            times.append(parse_http_date(str(event.get("NotBefore", ""))).unix)
+        except TimestampError as exc:
+            raise SourceError(f"IMDS scheduled maintenance {event.get('Code', '')}: "
+                              f"{exc}") from None
+    return min(times) if times else None
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def from_settings(settings: Any) -> AwsSource:
+    return AwsSource(settings.aws_imds_url, allow_imdsv1=settings.aws_imdsv1)
