@@ -153,7 +153,7 @@ def test_settings_name_the_source_and_its_options() -> None:
     assert settings.sources == ("aws",)
     assert settings.aws_imdsv1 is True and settings.aws_imds_url == "http://127.0.0.1:1"
     assert load_settings({}, environ={}).aws_imdsv1 is False
-    with pytest.raises(ConfigError, match="--aws-imdsv1.*true or false"):
+    with pytest.raises(ConfigError, match=r"--aws-imdsv1.*true or false"):
         load_settings({"aws_imdsv1": "maybe"}, environ={})
 
 

@@ -145,7 +145,7 @@ class AwsImdsEmulator:
     def url(self) -> str:
         assert self._server is not None, "not started"
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def stop(self) -> None:
         self._stopping.set()
