@@ -216,9 +216,8 @@ def test_cli_status_imports_no_server_module(tmp_path: Path) -> None:
 
 def test_example_runs_without_torch(tmp_path: Path) -> None:
     """examples/plain_pytorch.py falls back to its toy model, makes the final save at
-    once (6 s left), trains on and makes the top-up save about 5 s before the release,
-    waits for it and exits with EXIT_RELEASED (75); resumed, it runs to the end from the
-    top-up checkpoint."""
+    once (6 s left), trains on towards the top-up save, waits for the release and exits
+    with EXIT_RELEASED (75); resumed, it runs to the end from the newest checkpoint."""
     python = _bare_python(sys.executable, tmp_path / "venv")
     with socket.socket() as sock:  # a port nobody listens on: no daemon, env fallback
         sock.bind(("127.0.0.1", 0))
@@ -237,12 +236,18 @@ def test_example_runs_without_torch(tmp_path: Path) -> None:
     )
     assert released.returncode == 75, released.stderr
     assert "the release time has passed" in released.stderr
-    assert "top-up checkpoint now" in released.stderr
     assert "deadline from env" in released.stdout
     saved = latest_valid(checkpoints)  # written through atomic_checkpoint, so it validates
-    assert saved is not None and saved.step > 0
+    assert saved is not None
     assert json.loads((saved.path / "state.json").read_text())["step"] == saved.step
-    assert [c.step for c in list_checkpoints(checkpoints)] == [saved.step, 0]  # top-up, final
+    # The final save at step 0, then a top-up about 5 s before the release. The toy's
+    # steps take microseconds, less than the loop around them, so the one-step window of
+    # the top-up can be stepped over: then there is none, and training stopped there.
+    steps = [c.step for c in list_checkpoints(checkpoints)]
+    if "top-up checkpoint now" in released.stderr:
+        assert steps == [saved.step, 0] and saved.step > 0
+    else:
+        assert steps == [0] and "no further step fits" in released.stderr
     assert f"model=PlainModel ran to step {saved.step + 1}/1000000000" in released.stdout
     # Resumed without a deadline: runs to the end from the top-up checkpoint.
     total = saved.step + 5
