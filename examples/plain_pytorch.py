@@ -2,7 +2,7 @@
 
     python examples/plain_pytorch.py --steps 50
     python examples/plain_pytorch.py --steps 50 --release-in 30   # pretend: released soon
-    python examples/plain_pytorch.py --steps 100000000 --sigterm-grace 25  # then: kill -TERM
+    python examples/plain_pytorch.py --steps 100000000 --sigterm-grace 25 --save-seconds 1
 
 The daemon (``esi-sidecar serve``) tells the guard when this machine goes away; without
 one, the guard falls back to the platform's capacity-block variables. ``--release-in``

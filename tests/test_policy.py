@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pytest
 
@@ -12,7 +11,7 @@ from sidecar.train.policy import PolicyDecision, SavePolicy
 NOW = 1_800_000_000.0  # any fixed wall-clock instant
 
 
-def policy_with_step(step: float = 80.0, **options: Optional[float]) -> SavePolicy:
+def policy_with_step(step: float = 80.0, **options: object) -> SavePolicy:
     policy = SavePolicy(**options)  # type: ignore[arg-type]
     policy.record_step(step)
     return policy
@@ -51,18 +50,18 @@ def test_defaults_match_the_contract() -> None:
 
 def test_no_decision_before_the_first_step() -> None:
     policy = SavePolicy()
-    decision = policy.evaluate(NOW, NOW + 10.0)
+    decision = policy.evaluate(NOW, NOW + 100.0)
     assert decision == PolicyDecision(
         save_now=False,
         stop=False,
-        remaining_seconds=10.0,
+        remaining_seconds=100.0,
         budget_seconds=None,
         step_seconds=None,
         save_seconds=60.0,
         reason="no step measured yet",
     )
     policy.record_step(1.0)
-    assert policy.evaluate(NOW, NOW + 10.0).save_now
+    assert policy.evaluate(NOW, NOW + 100.0).save_now
 
 
 def test_unknown_deadline_never_saves() -> None:
@@ -280,7 +279,7 @@ def test_deadline_learned_during_a_routine_save_needs_no_second_save() -> None:
     # re-arms for the new work.
     policy = policy_with_step(20.0, top_up_seconds=None)  # budget 200 s
     policy.record_save(60.0, started_unix=NOW, deadline_unix=None)
-    deadline = NOW + 150.0
+    deadline = NOW + 170.0
     decision = policy.evaluate(NOW + 60.0, deadline)
     assert decision.stop and not decision.save_now
     policy.record_step(20.0)
@@ -437,6 +436,32 @@ def test_top_up_can_be_turned_off() -> None:
     policy = policy_with_step(20.0, top_up_seconds=None)
     final_save(policy, NOW, NOW + 200.0, 30.0)
     assert policy.evaluate(NOW + 30.0, NOW + 200.0).stop
+
+
+# ---------------------------------------------------------------- short notices
+
+
+def test_a_save_that_cannot_end_before_the_release_is_not_started() -> None:
+    # A 30 s notice (a SIGTERM's grace) and a 60 s save: inside the window, but the save
+    # would be cut by the release. Training goes on instead; the reason says why.
+    policy = policy_with_step(20.0)
+    decision = policy.evaluate(NOW, NOW + 30.0)
+    assert not decision.save_now and not decision.stop and decision.too_late
+    assert "would be cut by the release" in decision.reason
+    # With its upload: 50 s left, a 30 s save (x1.2) and a 20 s upload do not end in time.
+    policy.record_save(30.0, started_unix=NOW - 5000, deadline_unix=None)
+    policy.record_step(20.0)
+    assert policy.evaluate(NOW, NOW + 50.0).save_now
+    late = policy.evaluate(NOW, NOW + 50.0, upload_seconds=20.0)
+    assert late.too_late and "and its upload" in late.reason
+    # If the deadline moves later, the rule saves as usual.
+    assert policy.evaluate(NOW, NOW + 100.0, upload_seconds=20.0).save_now
+
+
+def test_try_late_saves_starts_it_anyway() -> None:
+    policy = policy_with_step(20.0, try_late_saves=True)
+    decision = policy.evaluate(NOW, NOW + 30.0)
+    assert decision.save_now and not decision.too_late
 
 
 # ---------------------------------------------------------------- invalid arguments

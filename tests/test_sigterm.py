@@ -33,7 +33,9 @@ def dead_url() -> str:
 
 
 def test_sigterm_becomes_the_deadline_and_the_job_leaves_after_one_save() -> None:
-    guard = CheckpointGuard(SidecarClient(dead_url()), environ={}, sigterm_grace_seconds=30)
+    # A 5 s save (assumed; a 60 s one would not fit the 30 s grace, and none is started).
+    guard = CheckpointGuard(SidecarClient(dead_url()), SavePolicy(save_seconds=5), environ={},
+                            sigterm_grace_seconds=30)
     try:
         assert guard.sigterm is not None and guard.sigterm.installed
         guard.record_step(0.5)
@@ -45,7 +47,7 @@ def test_sigterm_becomes_the_deadline_and_the_job_leaves_after_one_save() -> Non
         assert status.deadline_source == "sigterm"
         assert status.remaining_seconds is not None and 28 < status.remaining_seconds <= 30
         assert guard.status().deadline_unix == pytest.approx(sent + 30, abs=1)
-        assert guard.should_save() is True  # 30 s <= 0.5 + 60 + 120
+        assert guard.should_save() is True  # 30 s <= 0.5 + 5 + 120, and 5 s fit
         with guard.saving(7):
             pass
         started = time.monotonic()
@@ -140,7 +142,7 @@ def test_the_plain_example_saves_and_exits_75_on_sigterm(tmp_path: Path) -> None
            "ESI_SIDECAR_URL": dead_url()}
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "examples" / "plain_pytorch.py"), "--steps", "1000000000",
-         "--sigterm-grace", "20", "--checkpoints", str(checkpoints)],
+         "--sigterm-grace", "20", "--save-seconds", "1", "--checkpoints", str(checkpoints)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

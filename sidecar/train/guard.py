@@ -216,6 +216,7 @@ class CheckpointGuard:
             self.sigterm = SigtermDeadline(sigterm_grace_seconds, clock)
             self.sigterm.install()
         self._said_sigterm = False
+        self._said_too_late: Optional[float] = None
 
     @property
     def client(self) -> SidecarClient:
@@ -367,6 +368,9 @@ class CheckpointGuard:
         if decision.save_now:
             logger.info("%s now: %s", "top-up checkpoint" if decision.top_up else "checkpoint",
                         decision.reason)
+        elif decision.too_late and self._said_too_late != self._decided_deadline:
+            self._said_too_late = self._decided_deadline  # once per deadline
+            logger.warning("no checkpoint for this release: %s", decision.reason)
         return decision.save_now
 
     def should_stop(self) -> bool:

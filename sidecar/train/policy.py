@@ -107,6 +107,9 @@ class PolicyDecision:
     upload_seconds: Optional[float] = None
     # The save asked for (or the training allowed) is the top-up after the final save.
     top_up: bool = False
+    # Inside the window, but a save (and its upload) would not end before the release:
+    # none is started (SavePolicy.try_late_saves).
+    too_late: bool = False
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -184,6 +187,10 @@ class SavePolicy:
     - ``save_window``: how many recent measured saves count (default 5).
     - ``top_up_seconds``: the margin a top-up save keeps before the release (default
       5); None: no top-up, stop right after the final save.
+    - ``try_late_saves``: start the save even when less time is left than the save (and
+      its upload) is expected to take (default False: such a save would be cut by the
+      release, and keep a job that got SIGTERM from leaving cleanly; training goes on
+      instead, in case the deadline moves). A short notice (30 s) is the usual case.
 
     Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
     so failing at construction is better than a wrong decision hours later.
@@ -196,6 +203,7 @@ class SavePolicy:
     save_margin: float = 1.2
     save_window: int = 5
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
+    try_late_saves: bool = False
 
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)
@@ -421,8 +429,8 @@ class SavePolicy:
         durable_save = save_seconds + (upload_seconds or 0.0)
         budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
-        def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False
-                     ) -> PolicyDecision:
+        def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False,
+                     too_late: bool = False) -> PolicyDecision:
             return PolicyDecision(
                 save_now=save_now,
                 stop=stop,
@@ -433,6 +441,7 @@ class SavePolicy:
                 reason=reason,
                 upload_seconds=upload_seconds,
                 top_up=top_up,
+                too_late=too_late,
             )
 
         if remaining_seconds is None:
@@ -449,6 +458,14 @@ class SavePolicy:
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
         if seed_rule(remaining_seconds, step_seconds, durable_save, self.redundant_seconds)[0]:
+            if remaining_seconds < durable_save and not self.try_late_saves:
+                return decision(
+                    False, False,
+                    f"remaining {remaining_seconds:.1f} s < {durable_save:.1f} s for a save"
+                    + (" and its upload" if upload_seconds else "")
+                    + ": it would be cut by the release; not starting one",
+                    too_late=True,
+                )
             return decision(
                 True,
                 False,

@@ -203,6 +203,8 @@ def simulate_run(
     """Run one job until the reclaim (or the policy's exit) and account for it."""
     trace = workload.trace(seed)
     changes = trace.changes
+    if workload.notice_delay_seconds is not None:
+        notice_delay_seconds = workload.notice_delay_seconds
     known_at = [_known_from(change, notice_delay_seconds) for change in changes]
     reclaim_seconds, enforced = _reclaim(changes)
     learned_seconds = known_at[enforced]

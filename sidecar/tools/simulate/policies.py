@@ -337,6 +337,9 @@ POLICIES: dict[str, PolicyFactory] = {
                       "saves x1.2, 120 s margin) + the upload, the final save, a top-up save "
                       f"with a {DEFAULT_TOP_UP_SECONDS:g} s margin, then waits for the release",
                       lambda run: SidecarPolicy()),
+        PolicyFactory("sidecar-try-late", "the sidecar, but it starts a save even when less "
+                      "time is left than the save is expected to take (try_late_saves=True)",
+                      lambda run: SidecarPolicy(try_late_saves=True)),
         PolicyFactory("sidecar+periodic-30", "the sidecar plus a save every 30 min, all measured "
                       "by the guard; a periodic save is the final one only if the deadline was "
                       "known and inside the window when it started",

@@ -93,6 +93,9 @@ class Workload:
     straggler_factor: tuple[float, float] = (3.0, 5.0)
     save_seconds: float = 60.0
     save_jitter: float = 0.10
+    # How long until the job learns of a deadline change; None: the run's setting (the
+    # daemon's poll interval). The spot workloads: the aws source polls every 2 s.
+    notice_delay_seconds: Optional[float] = None
     upload_seconds: float = 0.0
     upload_jitter: float = 0.10
     # Non-empty for a stress workload: what it hides from a policy that only sees its
@@ -203,10 +206,16 @@ WORKLOADS: dict[str, Workload] = {
                  "(18 GB at 300 MB/s)", fixed_release, upload_seconds=60.0),
         Workload("upload-3min", "as steady, each checkpoint then uploads for 180 s +-10% "
                  "(longer than a step and a save)", fixed_release, upload_seconds=180.0),
-        Workload("spot-notice-120s", "no scheduled release; preemption notice 120 s before reclaim",
-                 spot_notice(120.0)),
-        Workload("spot-notice-30s", "no scheduled release; preemption notice 30 s before reclaim",
-                 spot_notice(30.0)),
+        Workload("spot-notice-300s", "no scheduled release; preemption notice 300 s before "
+                 "reclaim, learned within 2 s", spot_notice(300.0), notice_delay_seconds=2.0),
+        Workload("spot-notice-120s", "no scheduled release; preemption notice 120 s before "
+                 "reclaim, learned within 2 s", spot_notice(120.0), notice_delay_seconds=2.0),
+        Workload("spot-notice-60s", "no scheduled release; preemption notice 60 s before "
+                 "reclaim, learned within 2 s (about one save)", spot_notice(60.0),
+                 notice_delay_seconds=2.0),
+        Workload("spot-notice-30s", "no scheduled release; preemption notice 30 s before "
+                 "reclaim (a SIGTERM's grace), learned within 2 s", spot_notice(30.0),
+                 notice_delay_seconds=2.0),
         Workload("rare-validation", "as steady, but every 150th step is a 10x validation step",
                  fixed_release, spike_every=150,
                  stress="the spike can fall outside the 100-step window of the step estimate"),
