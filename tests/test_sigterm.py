@@ -110,7 +110,7 @@ def test_every_rank_learns_one_ranks_sigterm_through_the_reduction() -> None:
     reduce = ThreadAllReduce(2)
     now = 2_000_000.0
     guards = [
-        CheckpointGuard(SidecarClient(dead_url()), SavePolicy(top_up_seconds=None), environ={},
+        CheckpointGuard(SidecarClient(dead_url()), SavePolicy(save_seconds=5), environ={},
                         clock=lambda: now, reducer=reduce.for_rank(rank),
                         wait_for_release=False)
         for rank in (0, 1)
