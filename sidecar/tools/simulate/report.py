@@ -191,9 +191,10 @@ def _no_top_up_text(results: Sequence[Result], policy: str = "sidecar") -> str:
         "durable only after the final checkpoint's upload, which the uploader finishes "
         "first so that the final checkpoint is never put at risk for a top-up), or when "
         "the notice comes too late (`spot-notice-120s`). "
-        + ("The target is then missed where the 120 s margin is large against the "
-           f"oracle's own loss: {', '.join(missed)}. No policy that keeps the final save's "
-           "margin can meet it there." if missed else "")
+        + (f"The target is then missed on {', '.join(missed)}: the one safe save comes "
+           "earlier than the oracle's perfectly timed one by more than a step and 10 %, "
+           "and no second save fits; only a policy that gives up the final save's margin "
+           "could meet it there." if missed else "")
         + "\n"
     )
 
@@ -476,8 +477,8 @@ within 2 s here (the aws source polls IMDS every 2 s):
 {short}
 A tried save only helps when it ends in time although the estimate (the largest recent
 save x 1.2, or the assumed 60 s before any was measured) said it would not; the rest
-are cut by the reclaim. Nothing is lost either way on the notices that leave room for a
-save (120 s, 300 s), where the two choices are the same.
+are cut by the reclaim. On the notices that leave room for a save (120 s, 300 s) the two
+choices are the same run.
 
 ## The model
 
