@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -93,6 +94,64 @@ def test_damaged_state_file_is_ignored_with_a_warning(
     load_state(path, store)
     assert store.expiry().expires_at is None
     assert "ignoring state file" in caplog.text
+
+
+GOOD_ENTRY = {"observation": {"expires_at_unix": 1900000000, "kind": "scheduled-release"},
+              "observed_at_unix": 1890000000}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("expires_at_unix", "1900000000", "expires_at_unix must be a number"),
+        ("expires_at_unix", 1e300, "expires_at_unix is not a plausible"),
+        ("expires_at_unix", float("nan"), "expires_at_unix is not a plausible"),
+        ("expires_at_unix", float("inf"), "expires_at_unix is not a plausible"),
+        ("expires_at_unix", True, "expires_at_unix must be a number"),
+        ("expires_at_unix", -5, "expires_at_unix is not a plausible"),
+        ("kind", 123, "kind must be text"),
+        ("observed_at_unix", 1e300, "observed_at_unix is not a plausible"),
+        ("observed_at_unix", float("nan"), "observed_at_unix is not a plausible"),
+        ("observed_at_unix", "yesterday", "observed_at_unix must be a number"),
+    ],
+)
+def test_a_state_file_with_a_wrong_field_is_set_aside_not_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: object, named: str
+) -> None:
+    """It parses, but one field is wrong: before, such a file made /v1/expiry, /v1/decision
+    and /metrics fail with 500 while the cloud was unreachable, and was written back."""
+    entry = json.loads(json.dumps(GOOD_ENTRY))
+    if field == "observed_at_unix":
+        entry[field] = value
+    else:
+        entry["observation"][field] = value
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"version": 1, "sources": {"env": entry}}))  # NaN, Infinity
+    store = Store(["env"], stale_after=90)
+    load_state(path, store, now=1890000100)
+    expiry = store.expiry()  # builds: nothing of the file is served
+    assert expiry.expires_at is None
+    assert not path.exists() and (tmp_path / "state.json.bad").exists()  # set aside
+    warnings = [r.getMessage() for r in caplog.records if "state file" in r.getMessage()]
+    assert len(warnings) == 1 and named in warnings[0] and "state.json.bad" in warnings[0]
+    # The good entry itself restores (the test's bad value is what is refused).
+    path.write_text(json.dumps({"version": 1, "sources": {"env": GOOD_ENTRY}}))
+    load_state(path, store, now=1890000100)
+    assert store.expiry().expires_at_unix == 1900000000
+
+
+def test_state_writes_survive_a_leftover_temp_file_of_the_same_pid(tmp_path: Path) -> None:
+    # A container's daemon is always PID 1: the temporary file its last crash left behind
+    # has the name the next write would pick, if the name came from the PID alone.
+    path = tmp_path / "state.json"
+    leftover = tmp_path / f".state.json.{os.getpid()}.tmp"
+    leftover.write_text("half")
+    store = Store(["static"], stale_after=90)
+    store.record_success("static", Observation(expires_at_unix=1900000000.0))
+    save_state(path, store)
+    assert json.loads(path.read_text())["sources"]["static"]
+    load_state(path, Store(["static"], stale_after=90))
+    assert not leftover.exists()  # leftovers are removed when the state is loaded
 
 
 def test_missing_state_file_is_fine(tmp_path: Path) -> None:

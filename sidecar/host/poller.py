@@ -12,10 +12,13 @@ stale until a poll confirms it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import random
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -224,26 +227,103 @@ def save_state(path: Path, store: Store) -> None:
             }
     body = json.dumps({"version": STATE_VERSION, "sources": sources}, indent=1).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_atomically(path, body, f".{path.name}.{os.getpid()}.tmp")
+    # A random part too: a daemon that is always PID 1 (a container) must not meet the
+    # temporary file its last crash left behind.
+    replace_atomically(path, body, f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
-def load_state(path: Path, store: Store) -> None:
-    """Restore what an earlier run saw. A missing or damaged file is logged and ignored."""
+def load_state(path: Path, store: Store, *, now: Optional[float] = None) -> None:
+    """Restore what an earlier run saw. A missing file is nothing to restore; a damaged
+    one (it does not parse, or any field has the wrong type or an implausible value) is
+    set aside as ``<name>.bad`` with one log line: nothing of it is served or written
+    back. Leftover temporary files of earlier writes are removed."""
+    _remove_leftover_temps(path)
     try:
-        data = json.loads(path.read_bytes())
-        if data.get("version") != STATE_VERSION:
-            raise ValueError(f"unknown version {data.get('version')!r}")
-        for name, entry in data["sources"].items():
-            observation = Observation(**entry["observation"])
-            if observation.expires_at_unix is not None:
-                float(observation.expires_at_unix)
-            store.restore(name, observation, float(entry["observed_at_unix"]))
+        raw = path.read_bytes()
     except FileNotFoundError:
         return
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except OSError as exc:
         log.warning("ignoring state file %s: %s", path, _one_line(str(exc)))
         return
+    try:
+        entries = _parse_state(raw, time.time() if now is None else now)
+    except ValueError as exc:
+        aside = path.with_name(path.name + ".bad")
+        try:
+            os.replace(path, aside)
+        except OSError:
+            aside = path
+        log.warning("ignoring state file %s (kept as %s): %s", path, aside.name,
+                    _one_line(str(exc)))
+        return
+    for name, observation, observed_at in entries:
+        store.restore(name, observation, observed_at)
     log.info("restored last known state from %s", path)
+
+
+# What a saved deadline may be: a Unix time between 2000 and the year 5138 (the bounds of
+# sidecar.timeparse); an observation may not come from the future (a day of clock skew).
+_EARLIEST_UNIX = 946684800.0
+_LATEST_UNIX = 1e11
+_FUTURE_SKEW_SECONDS = 86400.0
+_TEXT_FIELDS = ("kind", "instance_id", "scheduled_instance_id", "assumed_timezone")
+
+
+def _parse_state(raw: bytes, now: float) -> list[tuple[str, Observation, float]]:
+    """The entries of a state file, each field checked; ValueError naming the first bad
+    one. All or nothing: one bad entry sets the whole file aside."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    if data.get("version") != STATE_VERSION:
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    sources = data.get("sources")
+    if not isinstance(sources, dict):
+        raise ValueError("sources must be an object")
+    entries = []
+    for name, entry in sources.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("observation"), dict):
+            raise ValueError(f"{name}: an entry needs an observation object")
+        fields = entry["observation"]
+        unknown = set(fields) - {"expires_at_unix", *_TEXT_FIELDS}
+        if unknown:
+            raise ValueError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
+        expires = fields.get("expires_at_unix")
+        if expires is not None:
+            expires = _unix(f"{name}.expires_at_unix", expires, _LATEST_UNIX)
+        for field in _TEXT_FIELDS:
+            value = fields.get(field)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name}.{field} must be text or null, got {value!r}")
+        observed = _unix(f"{name}.observed_at_unix", entry.get("observed_at_unix"),
+                         now + _FUTURE_SKEW_SECONDS)
+        observation = Observation(
+            expires_at_unix=expires, **{field: fields.get(field) for field in _TEXT_FIELDS}
+        )
+        entries.append((name, observation, observed))
+    return entries
+
+
+def _unix(name: str, value: Any, latest: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or not _EARLIEST_UNIX <= value <= latest:
+        raise ValueError(f"{name} is not a plausible Unix time: {value!r}")
+    return float(value)
+
+
+def _remove_leftover_temps(path: Path) -> None:
+    """Temporary files of writes a crash cut short (``.state.json.<pid>.<random>.tmp``)."""
+    try:
+        leftovers = list(path.parent.glob(f".{path.name}.*.tmp"))
+    except OSError:
+        return
+    for leftover in leftovers:
+        with contextlib.suppress(OSError):
+            leftover.unlink()
 
 
 def _one_line(text: str, limit: int = 300) -> str:
