@@ -149,7 +149,10 @@ def parse_timestamp(
     assumed = None
     if zone is None:
         zone, assumed = naive_timezone, _zone_name(naive_timezone)
-    when = local.replace(tzinfo=zone).astimezone(timezone.utc)
+    try:
+        when = local.replace(tzinfo=zone).astimezone(timezone.utc)
+    except OverflowError:  # 9999-12-31T23:59:59-01:00 is in the year 10000
+        raise TimestampError(f"out of range: {_describe(value)}") from None
     if when < EARLIEST:
         shown = _describe(value)
         raise TimestampError(f"not a plausible deadline: {shown} is before the year 2000")

@@ -5,7 +5,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
+from sidecar.timeparse import TimestampError, format_rfc3339, parse_http_date, parse_timestamp
 
 NOON_UTC = datetime(2026, 2, 1, 4, 0, tzinfo=timezone.utc)  # 12:00 at +08:00
 
@@ -75,6 +75,8 @@ def test_naive_timestamp_read_in_configured_zone_and_reported() -> None:
         ("12", "before the year 2000"),
         (946684799, "before the year 2000"),
         ("1970-01-01T00:00:00Z", "before the year 2000"),
+        # In the year 10000 once in UTC: was an OverflowError (a traceback from serve).
+        ("9999-12-31T23:59:59-01:00", "out of range: '9999-12-31T23:59:59-01:00'"),
     ],
 )
 def test_bad_values_raise_an_error_naming_the_value(value: object, fragment: str) -> None:
@@ -91,3 +93,20 @@ def test_format_rfc3339_round_trips() -> None:
     assert parse_timestamp(format_rfc3339(NOON_UTC)).when == NOON_UTC
     with pytest.raises(ValueError, match="naive"):
         format_rfc3339(datetime(2026, 2, 1))
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [("", "empty"), ("Tuesday", "'Tuesday'"), ("21 Jan 2019 09:00:43 -0000", "no time zone"),
+     ("01 Jan 1990 00:00:00 GMT", "before 2000")],
+)
+def test_http_dates_refuse_what_they_cannot_place(value: str, fragment: str) -> None:
+    with pytest.raises(TimestampError, match=fragment):
+        parse_http_date(value)
+
+
+def test_http_dates_as_aws_and_azure_write_them() -> None:
+    expected = 1548061243.0  # 2019-01-21T09:00:43Z
+    assert parse_http_date("21 Jan 2019 09:00:43 GMT").unix == expected
+    assert parse_http_date("Mon, 21 Jan 2019 09:00:43 GMT").unix == expected
+    assert parse_http_date("Mon, 21 Jan 2019 17:00:43 +0800").unix == expected
