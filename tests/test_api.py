@@ -188,3 +188,25 @@ def test_fast_path_answers_exactly_like_the_routed_handler() -> None:
         _, served = get_json(daemon.url + "/v1/expiry")
     assert set(routed) == set(served) == {field.name for field in fields(Expiry)}
     assert routed["expires_at_unix"] == 1900000000.0 and routed["server_time_unix"] == 1000.0
+
+
+@pytest.mark.parametrize("path", ["/v1/expiry", "/healthz", "/metrics", "/v1/uploads",
+                                  "/v1/decision?step_seconds=80"])
+def test_head_answers_like_get_without_a_body(path: str) -> None:
+    # curl -I and load-balancer probes use HEAD; it used to be a 405.
+    with serve_daemon(sources=("static",), expires_at=format_rfc3339(time.time() + 300)) as d:
+        wait_for(lambda: d.store.health().ok)
+        parts = urlsplit(d.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+        try:
+            connection.request("HEAD", path)
+            head = connection.getresponse()
+            body = head.read()
+            connection.request("GET", path)
+            got = connection.getresponse()
+            got.read()
+        finally:
+            connection.close()
+    assert (head.status, got.status) == (200, 200)
+    assert body == b""
+    assert head.getheader("content-type") == got.getheader("content-type")

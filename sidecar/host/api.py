@@ -199,7 +199,29 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(_HeadAsGet)
     return app
+
+
+class _HeadAsGet:
+    """HEAD wherever GET is (``curl -I`` and load-balancer probes use it; FastAPI answers
+    405 otherwise): the GET's status and headers, no body. An ASGI wrapper rather than a
+    second method on each route, so the OpenAPI document keeps one operation per path."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message: Any) -> None:
+            if message.get("type") == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 class _ExpiryFastPath:
