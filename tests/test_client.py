@@ -997,6 +997,26 @@ class ThreadAllReduce:
 
         return reduce
 
+    def run(self, train: Callable[[int], None], timeout: float = 30) -> list[BaseException]:
+        """``train(rank)`` in one thread per rank; what they raised (a failing rank breaks
+        the barrier, so the others do not wait for it)."""
+        errors: list[BaseException] = []
+
+        def guarded(rank: int) -> None:
+            try:
+                train(rank)
+            except BaseException as exc:  # reported to the main thread
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=guarded, args=(rank,))
+                   for rank in range(len(self.calls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout)
+        return errors
+
 
 @pytest.mark.parametrize("daemon_rank", [0, 1])
 def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
@@ -1007,43 +1027,34 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
     reduce = ThreadAllReduce(2)
     told_to_save: dict[int, list[int]] = {0: [], 1: []}
     stopped_at: dict[int, int] = {}
-    errors: list[BaseException] = []
     with static_daemon(time.time() + 200) as daemon:
         urls = [f"http://127.0.0.1:{closed_port()}"] * 2
         urls[daemon_rank] = daemon.url
 
         def train(rank: int) -> None:
-            try:
-                guard = CheckpointGuard(
-                    SidecarClient(urls[rank]),
-                    SavePolicy(save_seconds=100.0, top_up_seconds=None),
-                    environ={},
-                    reducer=reduce.for_rank(rank),
-                    wait_for_release=False,  # the stop decision itself, agreed by both
-                )
-                for step in range(10):
-                    with guard.step():
-                        pass
-                    if guard.should_save():
-                        told_to_save[rank].append(step)
-                        if rank == 0:
-                            with guard.saving():
-                                pass
-                    status = guard.status()  # local, never collective: only the rank
-                    # that knows the deadline (and did not write the save) may say "save"
-                    assert status.save_now is False or rank == daemon_rank
-                    if guard.should_stop():
-                        stopped_at[rank] = step
-                        return
-            except BaseException as exc:  # reported to the main thread
-                errors.append(exc)
-                reduce.barrier.abort()
+            guard = CheckpointGuard(
+                SidecarClient(urls[rank]),
+                SavePolicy(save_seconds=100.0, top_up_seconds=None),
+                environ={},
+                reducer=reduce.for_rank(rank),
+                wait_for_release=False,  # the stop decision itself, agreed by both
+            )
+            for step in range(10):
+                with guard.step():
+                    pass
+                if guard.should_save():
+                    told_to_save[rank].append(step)
+                    if rank == 0:
+                        with guard.saving():
+                            pass
+                status = guard.status()  # local, never collective: only the rank
+                # that knows the deadline (and did not write the save) may say "save"
+                assert status.save_now is False or rank == daemon_rank
+                if guard.should_stop():
+                    stopped_at[rank] = step
+                    return
 
-        threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        errors = reduce.run(train)
     assert not errors, errors
     assert told_to_save == {0: [0], 1: [0]}
     assert stopped_at == {0: 0, 1: 0}
@@ -1073,40 +1084,31 @@ def test_ranks_agree_on_the_top_up_save_when_only_rank_0_writes_checkpoints(
     reduce = ThreadAllReduce(2)
     told: dict[int, list[tuple[int, bool]]] = {0: [], 1: []}
     stopped_at: dict[int, int] = {}
-    errors: list[BaseException] = []
     start = time.time()
     with static_daemon(start + release) as daemon:
 
         def train(rank: int) -> None:
             elapsed = [0.0]
-            try:
-                guard = CheckpointGuard(
-                    SidecarClient(daemon.url), SavePolicy(top_up_seconds=10.0), environ={},
-                    reducer=reduce.for_rank(rank),
-                    clock=lambda: start + elapsed[0], wait_for_release=False,
-                )
-                for step in range(30):
-                    elapsed[0] += 20.0
-                    guard.record_step(20.0)
-                    if guard.should_save():
-                        decision = guard.last_decision
-                        assert decision is not None
-                        told[rank].append((step, decision.top_up))
-                        elapsed[0] += 30.0  # rank 1 waits for rank 0's save
-                        if rank == 0:
-                            guard.record_save(30.0, step=step)
-                    if guard.should_stop():
-                        stopped_at[rank] = step
-                        return
-            except BaseException as exc:  # reported to the main thread
-                errors.append(exc)
-                reduce.barrier.abort()
+            guard = CheckpointGuard(
+                SidecarClient(daemon.url), SavePolicy(top_up_seconds=10.0), environ={},
+                reducer=reduce.for_rank(rank),
+                clock=lambda: start + elapsed[0], wait_for_release=False,
+            )
+            for step in range(30):
+                elapsed[0] += 20.0
+                guard.record_step(20.0)
+                if guard.should_save():
+                    decision = guard.last_decision
+                    assert decision is not None
+                    told[rank].append((step, decision.top_up))
+                    elapsed[0] += 30.0  # rank 1 waits for rank 0's save
+                    if rank == 0:
+                        guard.record_save(30.0, step=step)
+                if guard.should_stop():
+                    stopped_at[rank] = step
+                    return
 
-        threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        errors = reduce.run(train)
     assert not errors, errors
     assert told == {0: saves, 1: saves}
     assert stopped_at == {0: stop, 1: stop}

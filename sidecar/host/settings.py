@@ -35,6 +35,12 @@ DEFAULT_UPLOAD_CONCURRENCY = 8
 DEFAULT_UPLOAD_PART_SIZE = 64 << 20
 DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS = 600.0
 DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
+# The uploader's estimate of the next upload (sidecar.host.upload.status): the largest of
+# the newest UPLOAD_ESTIMATE_SIZES checkpoints over the measured throughput, times
+# UPLOAD_ESTIMATE_MARGIN. Here, where the simulator can read them without the server's
+# dependencies.
+UPLOAD_ESTIMATE_SIZES = 3
+UPLOAD_ESTIMATE_MARGIN = 1.2
 
 
 class ConfigError(ValueError):

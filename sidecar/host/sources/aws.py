@@ -172,9 +172,6 @@ class AwsSource:
         except urllib3.exceptions.HTTPError as exc:
             raise SourceError(f"IMDS at {self._url}: {type(exc).__name__}") from None
 
-    def close(self) -> None:
-        self._http.clear()
-
 
 def _spot_time(notice: Any) -> float:
     if not isinstance(notice, dict) or "time" not in notice:

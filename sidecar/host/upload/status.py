@@ -21,6 +21,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from sidecar.host.settings import UPLOAD_ESTIMATE_MARGIN, UPLOAD_ESTIMATE_SIZES
+
 __all__ = ["STATES", "UPLOAD_MARGIN", "UploadRecord", "UploadTracker"]
 
 # pending: waiting its turn; uploading; done: durable remotely (manifest written last);
@@ -32,9 +34,9 @@ KEEP_RECORDS = 200  # finished records kept for the status page; the oldest go f
 # The next upload's duration: the largest of the newest SIZE_WINDOW checkpoints over the
 # throughput of the last RATE_WINDOW uploads, times UPLOAD_MARGIN (as SavePolicy's x1.2
 # on measured saves: normal variation, and the fixed cost of a small checkpoint).
-SIZE_WINDOW = 3
+SIZE_WINDOW = UPLOAD_ESTIMATE_SIZES
 RATE_WINDOW = 5
-UPLOAD_MARGIN = 1.2
+UPLOAD_MARGIN = UPLOAD_ESTIMATE_MARGIN
 
 
 @dataclass(frozen=True)

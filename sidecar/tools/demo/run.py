@@ -313,14 +313,14 @@ def run_demo(args: argparse.Namespace) -> int:
         screen.say("Summary")
         screen.say(f"  steps done            {total_steps} (trained in two runs: "
                    f"1-{(completed or 0) + 1} and {(second.first_step or 0) + 1}-{total_steps})")
-        if final is not None:
-            screen.say(f"  final save            step {final['step'] + 1}, "
-                       f"{release - final['time']:.1f} s before the reclaim")
-        else:
-            screen.say("  final save            none before the reclaim")
-        if top_up is not None:
-            screen.say(f"  top-up save           step {top_up['step'] + 1}, "
-                       f"{release - top_up['time']:.1f} s before the reclaim")
+        saves: tuple[tuple[str, Optional[dict[str, Any]]], ...] = (
+            ("final save ", final), ("top-up save", top_up))
+        for label, saved in saves:
+            if saved is not None:
+                screen.say(f"  {label}           step {saved['step'] + 1}, "
+                           f"{release - saved['time']:.1f} s before the reclaim")
+            elif label == "final save ":
+                screen.say("  final save            none before the reclaim")
         if durable_at is not None:
             screen.say(f"  durable               {release - durable_at:.1f} s before the reclaim, "
                        f"on {NETWORK_VOLUME}/")

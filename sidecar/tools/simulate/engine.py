@@ -32,6 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from sidecar.host.settings import (
+    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+    UPLOAD_ESTIMATE_MARGIN,
+    UPLOAD_ESTIMATE_SIZES,
+)
 from sidecar.tools.simulate.policies import (
     POLICIES,
     PolicyFactory,
@@ -57,9 +62,9 @@ DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its defa
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
 # The daemon's uploader (sidecar.host.upload): its estimate is the largest of the recent
 # uploads x 1.2, and "near the release" means within 600 s or twice that estimate.
-UPLOAD_MARGIN = 1.2
-UPLOAD_WINDOW = 3
-NEAR_RELEASE_SECONDS = 600.0
+UPLOAD_MARGIN = UPLOAD_ESTIMATE_MARGIN
+UPLOAD_WINDOW = UPLOAD_ESTIMATE_SIZES
+NEAR_RELEASE_SECONDS = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 # The top-up margins compared to choose SavePolicy's default (None: no top-up).
 TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
 
