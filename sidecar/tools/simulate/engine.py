@@ -60,11 +60,6 @@ __all__ = [
 
 DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its default)
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
-# The daemon's uploader (sidecar.host.upload): its estimate is the largest of the recent
-# uploads x 1.2, and "near the release" means within 600 s or twice that estimate.
-UPLOAD_MARGIN = UPLOAD_ESTIMATE_MARGIN
-UPLOAD_WINDOW = UPLOAD_ESTIMATE_SIZES
-NEAR_RELEASE_SECONDS = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 # The top-up margins compared to choose SavePolicy's default (None: no top-up).
 TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
 
@@ -88,7 +83,6 @@ class RunOutcome:
     saving_seconds: float  # time spent saving, the interrupted save included
     idle_seconds: float  # time neither training nor saving (stopped, or waiting)
     steps: int  # steps completed
-    durable_lead_seconds: Optional[float]  # reclaim - when the resumed checkpoint was durable
 
     @property
     def lead_seconds(self) -> float:
@@ -146,7 +140,7 @@ def _reclaim(changes: Sequence[DeadlineChange]) -> tuple[float, int]:
 
 
 def _estimate(done: Sequence[float]) -> Optional[float]:
-    return max(done[-UPLOAD_WINDOW:]) * UPLOAD_MARGIN if done else None
+    return max(done[-UPLOAD_ESTIMATE_SIZES:]) * UPLOAD_ESTIMATE_MARGIN if done else None
 
 
 def durable_times(
@@ -157,11 +151,11 @@ def durable_times(
     """When each checkpoint became durable (``inf``: never, its upload was given up or
     skipped). The daemon's uploader: one upload at a time; a checkpoint arriving while one
     runs waits (replacing an older one waiting, which is skipped); when the release is
-    near (``NEAR_RELEASE_SECONDS`` or twice the estimate) the running upload is given up
-    for the newer one unless finishing it and then uploading the newer one both end by
-    the known deadline (its estimate: the recent uploads x 1.2)."""
+    near (``DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS`` or twice the estimate) the running upload
+    is given up for the newer one unless finishing it and then uploading the newer one
+    both end by the known deadline (its estimate: the recent uploads x 1.2)."""
     durable = [math.inf] * len(checkpoints)
-    done: list[float] = [] if first_estimate is None else [first_estimate / UPLOAD_MARGIN]
+    done = [] if first_estimate is None else [first_estimate / UPLOAD_ESTIMATE_MARGIN]
     running: Optional[tuple[int, float, float]] = None  # index, started, ends
     waiting: Optional[int] = None
 
@@ -188,8 +182,9 @@ def durable_times(
         deadline = known_deadline(now)
         estimate = _estimate(done) or 0.0
         remaining = None if deadline is None else deadline - now
-        near = remaining is not None and remaining < max(NEAR_RELEASE_SECONDS, 2 * estimate)
-        left = (running[2] - now) * UPLOAD_MARGIN
+        near = remaining is not None and remaining < max(
+            DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS, 2 * estimate)
+        left = (running[2] - now) * UPLOAD_ESTIMATE_MARGIN
         if near and remaining is not None and left + estimate > remaining:
             running = (index, now, now + checkpoint.upload_seconds)  # give the old one up
             waiting = None
@@ -218,7 +213,7 @@ def simulate_run(
     feasible = reclaim_seconds - learned_seconds >= worst
     window_opens = max(learned_seconds, reclaim_seconds - (worst + WINDOW_MARGIN_SECONDS))
     uploads = workload.upload_seconds > 0
-    first_estimate = workload.upload_seconds * UPLOAD_MARGIN if uploads else None
+    first_estimate = workload.upload_seconds * UPLOAD_ESTIMATE_MARGIN if uploads else None
 
     def known_deadline(now_seconds: float) -> Optional[float]:
         deadline = None
@@ -283,7 +278,6 @@ def simulate_run(
     durable = durable_times(checkpoints, known_deadline, first_estimate)
     resumed = max((c for c, at in zip(checkpoints, durable) if at <= reclaim_seconds),
                   key=lambda c: c.state_seconds)
-    resumed_durable = durable[checkpoints.index(resumed)]
     unsaved = sum(max(0.0, end - max(start, resumed.state_seconds)) for start, end in trained)
     return RunOutcome(
         workload=workload.name,
@@ -301,7 +295,6 @@ def simulate_run(
         saving_seconds=saving,
         idle_seconds=idle,
         steps=steps,
-        durable_lead_seconds=reclaim_seconds - resumed_durable if resumed.saved_seconds else None,
     )
 
 
