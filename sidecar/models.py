@@ -8,19 +8,25 @@ client turns that into "no answer" rather than an exception in the training loop
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = [
     "DEFAULT_AWS_IMDS_URL",
+    "DEFAULT_AZURE_METADATA_URL",
+    "DEFAULT_GCP_METADATA_URL",
     "DEFAULT_LISTEN",
     "DEFAULT_METADATA_URL",
+    "KIND_MAINTENANCE",
     "KIND_PREEMPTION",
+    "KIND_REBALANCE",
     "KIND_SCHEDULED_RELEASE",
     "Decision",
     "Expiry",
+    "Notice",
     "Observation",
+    "observation_from_notices",
 ]
 
 # The daemon's default address (ARCHITECTURE.md, "HTTP contract"): the daemon listens on it
@@ -30,9 +36,15 @@ DEFAULT_LISTEN = "127.0.0.1:8791"
 # source's. Here because both may import this module, and nothing heavier.
 DEFAULT_METADATA_URL = "http://100.96.0.96"
 DEFAULT_AWS_IMDS_URL = "http://169.254.169.254"  # EC2's instance metadata service
+# GCE's metadata server (also metadata.google.internal; the address needs no DNS) and
+# Azure's Instance Metadata Service, which serves Scheduled Events.
+DEFAULT_GCP_METADATA_URL = "http://169.254.169.254"
+DEFAULT_AZURE_METADATA_URL = "http://169.254.169.254"
 
-KIND_SCHEDULED_RELEASE = "scheduled-release"
-KIND_PREEMPTION = "preemption-notice"
+KIND_SCHEDULED_RELEASE = "scheduled-release"  # ESI AutoReleaseAt, capacity blocks
+KIND_PREEMPTION = "preemption-notice"  # spot / preemptible reclaim, early ESI reclaim
+KIND_MAINTENANCE = "scheduled-maintenance"  # the platform stops, reboots or moves the VM
+KIND_REBALANCE = "rebalance-recommendation"  # advice only (AWS): never a deadline
 
 
 def _number(body: Mapping[str, Any], key: str, *, optional: bool = True) -> Optional[float]:
@@ -65,10 +77,27 @@ def _flag(body: Mapping[str, Any], key: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """One thing a source saw coming. ``advisory`` notices (AWS's rebalance advice) are
+    shown in ``/v1/expiry``'s ``notices`` but are never a deadline; their time may be None.
+    ``detail`` is the platform's own word for it ("spot terminate", "Preempt", ...)."""
+
+    kind: str
+    expires_at_unix: Optional[float]
+    advisory: bool = False
+    detail: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Observation:
     """One successful poll of a source; ``expires_at_unix`` is None when no release is
     scheduled. Defined here, not in ``sidecar.host.sources``, so the store and the API need
-    nothing from the sources."""
+    nothing from the sources.
+
+    A source that can see several things at once (a spot notice and maintenance) lists
+    them in ``notices``, and its deadline is the earliest that is not advisory
+    (:func:`observation_from_notices`); the others leave ``notices`` empty and the store
+    lists their deadline as their one notice."""
 
     expires_at_unix: Optional[float]
     kind: Optional[str] = None
@@ -76,6 +105,19 @@ class Observation:
     scheduled_instance_id: Optional[str] = None
     # Set when the source gave a timestamp without an offset and we assumed this zone.
     assumed_timezone: Optional[str] = None
+    notices: tuple[Notice, ...] = ()
+
+
+def observation_from_notices(notices: Sequence[Notice], **identity: Any) -> Observation:
+    """The Observation whose deadline is the earliest non-advisory notice's."""
+    deadlines = [n for n in notices if not n.advisory and n.expires_at_unix is not None]
+    earliest = min(deadlines, key=lambda n: n.expires_at_unix or 0.0, default=None)
+    return Observation(
+        expires_at_unix=earliest.expires_at_unix if earliest else None,
+        kind=earliest.kind if earliest else None,
+        notices=tuple(notices),
+        **identity,
+    )
 
 
 @dataclass(frozen=True)

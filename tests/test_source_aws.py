@@ -13,9 +13,9 @@ import pytest
 from daemon_harness import serve_daemon, wait_for
 
 from sidecar.host.settings import ConfigError, load_settings
-from sidecar.host.sources.aws import KIND_MAINTENANCE, AwsSource
+from sidecar.host.sources.aws import AwsSource
 from sidecar.host.sources.base import SourceError
-from sidecar.models import KIND_PREEMPTION
+from sidecar.models import KIND_MAINTENANCE, KIND_PREEMPTION
 from sidecar.tools.emulator.aws import AwsImdsEmulator
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard

@@ -17,7 +17,13 @@ from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.models import DEFAULT_AWS_IMDS_URL, DEFAULT_LISTEN, DEFAULT_METADATA_URL
+from sidecar.models import (
+    DEFAULT_AWS_IMDS_URL,
+    DEFAULT_AZURE_METADATA_URL,
+    DEFAULT_GCP_METADATA_URL,
+    DEFAULT_LISTEN,
+    DEFAULT_METADATA_URL,
+)
 from sidecar.timeparse import TimestampError, parse_timestamp
 
 __all__ = [
@@ -81,6 +87,10 @@ class Settings:
     # AWS EC2 (the aws source): the instance metadata service, IMDSv2 unless allowed.
     aws_imds_url: str = DEFAULT_AWS_IMDS_URL
     aws_imdsv1: bool = False
+    # GCP (the gcp source) and Azure (the azure source): their metadata services.
+    gcp_metadata_url: str = DEFAULT_GCP_METADATA_URL
+    azure_metadata_url: str = DEFAULT_AZURE_METADATA_URL
+    azure_approve: bool = False  # approve (StartRequests) once the checkpoint is durable
 
     @property
     def effective_stale_after(self) -> float:
@@ -292,6 +302,14 @@ OPTIONS: tuple[Option, ...] = (
            f"(default {DEFAULT_AWS_IMDS_URL})", "URL"),
     Option("aws_imdsv1", _boolean, "let the aws source fall back to IMDSv1 (no session "
            "token) when the token request is refused: true or false (default false)", "BOOL"),
+    Option("gcp_metadata_url", _url, f"GCE metadata server for the gcp source "
+           f"(default {DEFAULT_GCP_METADATA_URL})", "URL"),
+    Option("azure_metadata_url", _url, f"Azure Instance Metadata Service for the azure "
+           f"source (default {DEFAULT_AZURE_METADATA_URL})", "URL"),
+    Option("azure_approve", _boolean, "approve a pending Azure scheduled event "
+           "(StartRequests) once a checkpoint saved after it was announced is durable, so "
+           "the platform need not wait out the notice: true or false (default false)",
+           "BOOL"),
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
            "DIR"),

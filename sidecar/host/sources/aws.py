@@ -14,7 +14,8 @@ Every poll (every 2 s, as AWS advises for the two-minute spot notice):
   one not ``completed`` or ``canceled`` has a ``NotBefore`` ("21 Jan 2019 09:00:43 GMT"):
   the earliest is served as scheduled maintenance.
 - ``GET /latest/meta-data/events/recommendations/rebalance``: ``{"noticeTime": ...}`` is
-  advice that the instance is at elevated risk, not a deadline: logged once, not served.
+  advice that the instance is at elevated risk, not a deadline: logged once, listed in
+  ``notices`` as advisory, never the deadline.
 
 urllib3 (already installed with the Volcengine SDK) does the HTTP, with no proxy: the
 metadata service is link-local. Short timeouts (0.5 s connect, 1 s read): a hung service
@@ -31,14 +32,20 @@ from typing import Any, Callable, Optional
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError
-from sidecar.models import DEFAULT_AWS_IMDS_URL, KIND_PREEMPTION
+from sidecar.models import (
+    DEFAULT_AWS_IMDS_URL,
+    KIND_MAINTENANCE,
+    KIND_PREEMPTION,
+    KIND_REBALANCE,
+    Notice,
+    observation_from_notices,
+)
 from sidecar.timeparse import TimestampError, parse_http_date, parse_timestamp
 
-__all__ = ["KIND_MAINTENANCE", "AwsSource", "from_settings"]
+__all__ = ["AwsSource", "from_settings", "probe"]
 
 log = logging.getLogger("sidecar.host.sources.aws")
 
-KIND_MAINTENANCE = "scheduled-maintenance"
 TOKEN_TTL_SECONDS = 21600  # the longest IMDS allows: six hours
 TOKEN_REFRESH_SECONDS = 60.0  # fetch a new token this long before the old one ends
 POLL_INTERVAL_SECONDS = 2.0
@@ -79,35 +86,37 @@ class AwsSource:
     def poll(self) -> Observation:
         spot = self._get_json(SPOT_PATH, "spot instance-action")
         maintenance = self._get_json(MAINTENANCE_PATH, "scheduled maintenance")
-        self._note_rebalance()
+        notices = []
+        if spot is not None:
+            notices.append(Notice(KIND_PREEMPTION, _spot_time(spot),
+                                  detail=f"spot {_clip(str(spot.get('action', '?')), 20)}"))
+        if maintenance is not None:
+            notices.extend(_maintenance_notices(maintenance))
+        rebalance = self._rebalance()
+        if rebalance is not None:
+            notices.append(rebalance)
         if self._instance_id is None:
             status, body = self._get(INSTANCE_ID_PATH)
             if status == 200 and body.strip():
                 self._instance_id = body.strip()
-        candidates = []
-        if spot is not None:
-            candidates.append((_spot_time(spot), KIND_PREEMPTION))
-        if maintenance is not None:
-            earliest = _maintenance_time(maintenance)
-            if earliest is not None:
-                candidates.append((earliest, KIND_MAINTENANCE))
-        if not candidates:
-            return Observation(expires_at_unix=None, instance_id=self._instance_id)
-        when, kind = min(candidates)
-        return Observation(expires_at_unix=when, kind=kind, instance_id=self._instance_id)
+        return observation_from_notices(notices, instance_id=self._instance_id)
 
-    def _note_rebalance(self) -> None:
-        """Advice, not a deadline: one log line per new notice."""
+    def _rebalance(self) -> Optional[Notice]:
+        """Advice, not a deadline: listed as advisory, one log line per new notice."""
         try:
             notice = self._get_json(REBALANCE_PATH, "rebalance recommendation")
         except SourceError:
-            return  # advisory only: never fails the poll
+            return None  # advisory only: never fails the poll
         text = None if notice is None else str(notice.get("noticeTime", notice)
                                                 if isinstance(notice, dict) else notice)
         if text is not None and text != self._rebalance_seen:
             log.warning("AWS rebalance recommendation (%s): this spot instance is at elevated "
                         "risk of interruption; no deadline yet", text)
         self._rebalance_seen = text
+        if text is None:
+            return None
+        return Notice(KIND_REBALANCE, None, advisory=True,
+                      detail=f"rebalance recommended at {_clip(text, 40)}")
 
     # ------------------------------------------------------------------ HTTP
 
@@ -182,26 +191,56 @@ def _spot_time(notice: Any) -> float:
         raise SourceError(f"IMDS spot instance-action: {exc}") from None
 
 
-def _maintenance_time(events: Any) -> Optional[float]:
+def _maintenance_notices(events: Any) -> list[Notice]:
     if not isinstance(events, list):
         raise SourceError(f"IMDS scheduled maintenance is not a list: {_clip(events)}")
-    times = []
+    notices = []
     for event in events:
         if not isinstance(event, dict):
             raise SourceError(f"IMDS scheduled maintenance event: {_clip(event)}")
         if str(event.get("State", "")).lower() in _DONE_STATES:
             continue
+        code = _clip(str(event.get("Code", "maintenance")), 40)
         try:
-            times.append(parse_http_date(str(event.get("NotBefore", ""))).unix)
+            when = parse_http_date(str(event.get("NotBefore", ""))).unix
         except TimestampError as exc:
-            raise SourceError(f"IMDS scheduled maintenance {event.get('Code', '')}: "
-                              f"{exc}") from None
-    return min(times) if times else None
+            raise SourceError(f"IMDS scheduled maintenance {code}: {exc}") from None
+        notices.append(Notice(KIND_MAINTENANCE, when, detail=code))
+    return notices
 
 
 def _clip(value: Any, limit: int = 120) -> str:
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def probe(settings: Any, timeout: float) -> Optional[str]:
+    """None when an EC2 metadata service answers at the configured address (for
+    ``--source auto``), else why not, in one line."""
+    url = settings.aws_imds_url.rstrip("/")
+    http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(total=timeout))
+    try:
+        response = http.request("PUT", url + "/latest/api/token", redirect=False,
+                                headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        if response.status == 200 and response.data.strip():
+            return None
+        if settings.aws_imdsv1 and response.status in (403, 404, 405):
+            response = http.request("GET", url + INSTANCE_ID_PATH, redirect=False)
+            if response.status == 200 and response.data.strip():
+                return None
+        return f"no EC2 metadata service at {url} (token request: HTTP {response.status})"
+    except urllib3.exceptions.HTTPError as exc:
+        return f"no EC2 metadata service at {url} ({_probe_failure(exc, timeout)})"
+    finally:
+        http.clear()
+
+
+def _probe_failure(exc: Exception, timeout: float) -> str:
+    if isinstance(exc, urllib3.exceptions.NewConnectionError):
+        return "cannot connect"
+    if isinstance(exc, urllib3.exceptions.TimeoutError):
+        return f"no answer within {timeout:g} s"
+    return type(exc).__name__
 
 
 def from_settings(settings: Any) -> AwsSource:

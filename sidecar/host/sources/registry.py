@@ -14,11 +14,14 @@ __all__ = ["SOURCES", "canonical_name", "create_source"]
 SOURCES: dict[str, str] = {
     "volcengine-esi": "sidecar.host.sources.volcengine:from_settings",
     "aws": "sidecar.host.sources.aws:from_settings",
+    "gcp": "sidecar.host.sources.gcp:from_settings",
+    "azure": "sidecar.host.sources.azure:from_settings",
     "env": "sidecar.host.sources.env:from_settings",
     "static": "sidecar.host.sources.static:from_settings",
 }
 ALIASES: dict[str, str] = {"volcengine": "volcengine-esi", "esi": "volcengine-esi",
-                           "ec2": "aws", "aws-spot": "aws"}
+                           "ec2": "aws", "aws-spot": "aws", "gce": "gcp", "google": "gcp",
+                           "az": "azure"}
 
 
 def canonical_name(name: str) -> str:

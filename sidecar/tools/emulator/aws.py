@@ -11,23 +11,23 @@ token is a 401 (unless ``imdsv1=True``, a host that still allows IMDSv1); a PUT 
 the TTL header, or with one out of range, is a 400. Times are written as EC2 writes them
 ("2026-12-01T08:22:00Z"; maintenance "21 Jan 2019 09:00:43 GMT").
 
-The test side is a Python API: :meth:`interrupt`, :meth:`schedule_maintenance`,
-:meth:`recommend_rebalance`, :meth:`clear`, :meth:`expire_tokens`, and faults
-(:meth:`fail`: an HTTP status, a hang or a malformed body for the next N requests).
-Standard library only; ``start()`` serves on a daemon thread.
+Control from Python (:meth:`interrupt`, :meth:`schedule_maintenance`,
+:meth:`recommend_rebalance`, :meth:`clear`, :meth:`expire_tokens`, :meth:`fail`) or over
+HTTP (``sidecar.tools.emulator.metadata``): ``POST /_emulator/interrupt {"in_seconds":
+120, "action": "terminate"}``, ``/_emulator/maintenance {"in_seconds": 3600}``,
+``/_emulator/rebalance {}``, ``/_emulator/expire-tokens {}``, ``/_emulator/clear``.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import format_datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Optional
+
+from sidecar.tools.emulator.metadata import ControlError, MetadataEmulator, Reply, number, text
 
 __all__ = ["AwsImdsEmulator"]
 
@@ -40,14 +40,6 @@ _PATHS = {
 }
 
 
-@dataclass
-class _Fault:
-    kind: str  # "status", "hang" or "malformed"
-    count: int
-    status: int = 500
-    seconds: float = 0.0
-
-
 def _iso(unix: float) -> str:
     return datetime.fromtimestamp(unix, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -57,7 +49,9 @@ def _maintenance_date(unix: float) -> str:
     return format_datetime(datetime.fromtimestamp(unix, timezone.utc), usegmt=True)[5:]
 
 
-class AwsImdsEmulator:
+class AwsImdsEmulator(MetadataEmulator):
+    service = "aws-imds"
+
     def __init__(
         self,
         instance_id: str = "i-0123456789abcdef0",
@@ -65,19 +59,14 @@ class AwsImdsEmulator:
         imdsv1: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(clock=clock)
         self.instance_id = instance_id
         self.imdsv1 = imdsv1
-        self._clock = clock
-        self._lock = threading.Lock()
         self._tokens: dict[str, float] = {}  # token -> expiry (clock)
         self._spot: Optional[dict[str, str]] = None
         self._maintenance: list[dict[str, str]] = []
         self._rebalance: Optional[dict[str, str]] = None
-        self._faults: list[_Fault] = []
-        self._stopping = threading.Event()
         self.token_requests = 0
-        self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
-        self._server: Optional[ThreadingHTTPServer] = None
 
     # ------------------------------------------------------------------ control
 
@@ -118,62 +107,38 @@ class AwsImdsEmulator:
         with self._lock:
             self._tokens.clear()
 
-    def fail(self, kind: str, count: int = 1, *, status: int = 500,
-             seconds: float = 5.0) -> None:
-        """The next ``count`` requests: ``status`` (an HTTP error), ``hang`` (no answer for
-        ``seconds``) or ``malformed`` (a body that is not what the path serves)."""
-        if kind not in ("status", "hang", "malformed"):
-            raise ValueError(f"unknown fault {kind!r}")
+    def control(self, verb: str, request: dict[str, Any]) -> None:
+        now = time.time()
+        if verb == "interrupt":
+            self.interrupt(now + number(request, "in_seconds", 120),
+                           text(request, "action", "terminate"))
+        elif verb == "maintenance":
+            self.schedule_maintenance(now + number(request, "in_seconds", 3600),
+                                      text(request, "code", "system-reboot"))
+        elif verb == "rebalance":
+            self.recommend_rebalance(now)
+        elif verb == "expire-tokens":
+            self.expire_tokens()
+        else:
+            raise ControlError(f"no control verb {verb!r}; use interrupt, maintenance, "
+                               "rebalance, expire-tokens, clear, fault")
+
+    def describe(self) -> dict[str, Any]:
         with self._lock:
-            self._faults.append(_Fault(kind, count, status, seconds))
+            return {"instance_id": self.instance_id, "spot": self._spot,
+                    "maintenance": list(self._maintenance), "rebalance": self._rebalance}
 
-    def request_count(self, path: Optional[str] = None) -> int:
-        with self._lock:
-            return sum(1 for _m, p, _s in self.requests if path is None or p == path)
+    def answer(self, method: str, path: str, query: dict[str, str], headers: Any,
+               body: bytes) -> Reply:
+        return Reply(*self._answer(method, path, headers))
 
-    # ------------------------------------------------------------------ serving
-
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        server = ThreadingHTTPServer((host, port), _Handler)
-        server.daemon_threads = True
-        server.emulator = self  # type: ignore[attr-defined]
-        self._server = server
-        threading.Thread(target=server.serve_forever, name="aws-imds", daemon=True).start()
-        return self.url
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
-
-    def stop(self) -> None:
-        self._stopping.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    def __enter__(self) -> AwsImdsEmulator:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def answer(self, method: str, path: str, headers: Any) -> tuple[int, str]:
-        fault = self._take_fault()
-        if fault is not None and fault.kind == "hang":
-            self._stopping.wait(fault.seconds)
-        if fault is not None and fault.kind == "status":
-            return fault.status, "error"
+    def _answer(self, method: str, path: str, headers: Any) -> tuple[int, str]:
         if method == "PUT" and path == TOKEN_PATH:
             return self._token(headers)
         if method != "GET" or path not in _PATHS:
             return 404, "Not Found"
         if not self._authorized(headers):
             return 401, ""
-        if fault is not None and fault.kind == "malformed":
-            return 200, "<html>not json"
         with self._lock:
             if path.endswith("instance-id"):
                 return 200, self.instance_id
@@ -210,42 +175,3 @@ class AwsImdsEmulator:
         with self._lock:
             expiry = self._tokens.get(token)
         return expiry is not None and self._clock() < expiry
-
-    def _take_fault(self) -> Optional[_Fault]:
-        with self._lock:
-            if not self._faults:
-                return None
-            fault = self._faults[0]
-            fault.count -= 1
-            if fault.count <= 0:
-                self._faults.pop(0)
-            return fault
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Any
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        self._reply("GET")
-
-    def do_PUT(self) -> None:
-        self._reply("PUT")
-
-    def _reply(self, method: str) -> None:
-        emulator: AwsImdsEmulator = self.server.emulator
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        status, body = emulator.answer(method, self.path, self.headers)
-        with emulator._lock:
-            emulator.requests.append((method, self.path, status))
-        data = body.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
