@@ -143,9 +143,14 @@ class Expiry:
     # "degraded"). Both None on a daemon that does not upload: a local save is durable.
     upload_seconds: Optional[float] = None
     upload_status: Optional[str] = None
+    # Every source's notices (source, kind, expires_at, expires_at_unix, remaining_seconds,
+    # advisory, detail, observed_at, stale), the earliest deadline first, advice last.
+    notices: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["notices"] = list(self.notices)
+        return body
 
     @classmethod
     def from_json(cls, body: Any) -> Expiry:
@@ -169,7 +174,19 @@ class Expiry:
             assumed_timezone=_text(body, "assumed_timezone"),
             upload_seconds=_number(body, "upload_seconds"),
             upload_status=_text(body, "upload_status"),
+            notices=_notices(body),
         )
+
+
+def _notices(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    notices = body.get("notices") or []
+    if not isinstance(notices, list) or not all(isinstance(n, Mapping) for n in notices):
+        raise ValueError(f"field 'notices' is not a list of objects: {notices!r:.80}")
+    for notice in notices:
+        _number(notice, "expires_at_unix")
+        _text(notice, "source")
+        _text(notice, "kind")
+    return tuple(dict(notice) for notice in notices)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,29 @@ import pytest
 
 # Tests import the harness next to them as a plain module.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _loopback_only(connect: Any) -> Any:
+    """socket.connect that refuses any address off this machine: the tests talk to
+    loopback only, and a default that probes a cloud's metadata address (169.254.169.254)
+    must fail here loudly instead of sending a packet."""
+
+    def guarded(sock: socket.socket, address: Any) -> Any:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
+            host = address[0]
+            try:
+                loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
+            except ValueError:
+                loopback = host == "localhost"
+            if not loopback:
+                raise OSError(f"tests may reach loopback only, not {host!r}")
+        return connect(sock, address)
+
+    return guarded
+
+
+socket.socket.connect = _loopback_only(socket.socket.connect)  # type: ignore[method-assign]
+socket.socket.connect_ex = _loopback_only(socket.socket.connect_ex)  # type: ignore[method-assign]
 
 # CI sets this: there every tool and package is installed on purpose, so a skip means
 # something went missing and must not pass for green. The one skip allowed names a

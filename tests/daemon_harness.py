@@ -77,6 +77,8 @@ def serve_daemon(**overrides: Any) -> Iterator[RunningDaemon]:
     """Start the daemon with ``Settings(**overrides)`` and stop it on exit."""
     overrides.setdefault("listen", (("127.0.0.1", 0),))
     overrides.setdefault("poll_interval", 0.2)
+    # Never the default (auto): it would probe the clouds' link-local metadata addresses.
+    overrides.setdefault("sources", ("volcengine-esi",))
     settings = Settings(**overrides)
     sockets = bind_sockets(settings.listen)
     host, port = sockets[0].getsockname()[:2]

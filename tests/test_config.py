@@ -14,7 +14,7 @@ def test_defaults() -> None:
     settings = load_settings({}, environ={})
     assert settings == Settings()
     assert settings.listen == (("127.0.0.1", 8791),)
-    assert settings.sources == ("volcengine-esi",)
+    assert settings.sources == ("auto",)
     assert settings.metadata_url == "http://100.96.0.96"
     assert settings.effective_stale_after == 90.0
     assert settings.naive_timezone is timezone.utc
@@ -74,7 +74,7 @@ def test_time_zone_names_and_offsets() -> None:
         ({}, {"ESI_SIDECAR_POLL_INTERVAL": "0"}, "ESI_SIDECAR_POLL_INTERVAL value '0'"),
         ({"listen": ["localhost"]}, {}, "--listen value 'localhost'"),
         ({"listen": ["127.0.0.1:99999"]}, {}, "port out of range"),
-        ({"source": ["gcp"]}, {}, "unknown source 'gcp'"),
+        ({"source": ["oracle-cloud"]}, {}, "unknown source 'oracle-cloud'"),
         ({"api_endpoint": "127.0.0.1:9000"}, {}, "http://"),
         ({"log_level": "loud"}, {}, "--log-level"),
         ({"timezone": "Mars/Olympus"}, {}, "--timezone"),

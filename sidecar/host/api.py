@@ -62,6 +62,7 @@ class HealthBody(BaseModel):
     status: str
     reason: Optional[str] = None
     sources: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
     uploads: Optional[dict[str, Any]] = None  # informational: never turns /healthz 503
 
 
@@ -166,10 +167,13 @@ def create_app(
                 "error": status.error,
                 "consecutive_failures": status.consecutive_failures,
             }
-            for status in snapshot.sources
+            for status in snapshot.present
         }
         body: dict[str, Any] = {
             "status": health.status, "reason": health.reason, "sources": sources,
+            # --source auto: the services not found here, and why (asked again later).
+            "skipped": {status.name: status.absent for status in snapshot.sources
+                        if status.absent is not None},
         }
         if uploads is not None:
             # Shown, not judged: the daemon's job (the deadline) works while storage is
@@ -285,7 +289,13 @@ class _StoreCollector:
         failures = GaugeMetricFamily(
             "esi_sidecar_consecutive_failures", "Failed polls in a row", labels=["source"]
         )
+        running = GaugeMetricFamily(
+            "esi_sidecar_source_running",
+            "1 for a source that runs, 0 for one --source auto did not find here",
+            labels=["source"],
+        )
         for status in snapshot.sources:
+            running.add_metric([status.name], 0.0 if status.absent is not None else 1.0)
             for outcome, count in status.polls:
                 polls.add_metric([status.name, outcome], count)
             if status.observed_at_unix is not None and not status.restored:
@@ -293,4 +303,4 @@ class _StoreCollector:
             failures.add_metric([status.name], status.consecutive_failures)
         healthy = GaugeMetricFamily("esi_sidecar_healthy", "1 when /healthz answers 200")
         healthy.add_metric([], 1.0 if build_health(snapshot, now).ok else 0.0)
-        return [remaining, deadline, stale, polls, last_success, failures, healthy]
+        return [remaining, deadline, stale, polls, last_success, failures, healthy, running]

@@ -14,20 +14,24 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import uvicorn
 from fastapi import FastAPI
 
 from sidecar.host.api import create_app
+from sidecar.host.approve import Approvable, Approver
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
 from sidecar.host.settings import Settings, storage_options
-from sidecar.host.sources.registry import create_source
+from sidecar.host.sources.auto import AUTO, CANDIDATES, PROBE_TIMEOUT_SECONDS, ProbedSource
+from sidecar.host.sources.base import Source, where
+from sidecar.host.sources.registry import create_source, probe_source
 from sidecar.host.store import Store
 
-__all__ = ["Daemon", "bind_sockets", "build_daemon", "run"]
+__all__ = ["Daemon", "bind_sockets", "build_daemon", "build_sources", "run"]
 
 log = logging.getLogger("sidecar.host.daemon")
 
@@ -36,6 +40,7 @@ READY_TIMEOUT_SECONDS = 60.0
 # uploader and the poll threads. Together well inside the unit's TimeoutStopSec=10.
 SHUTDOWN_GRACE_SECONDS = 2.0
 SHUTDOWN_JOIN_SECONDS = 3.0
+APPROVE_INTERVAL_SECONDS = 1.0
 
 
 @dataclass
@@ -45,15 +50,32 @@ class Daemon:
     poller: Poller
     app: FastAPI
     uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
+    approver: Optional[Approver] = None  # --azure-approve
+
+
+def build_sources(settings: Settings) -> list[Source]:
+    """The sources the settings name; ``auto`` adds every candidate not named otherwise,
+    each run only once its probe finds its service (``sidecar.host.sources.auto``)."""
+    named = [name for name in settings.sources if name != AUTO]
+    sources = [create_source(name, settings) for name in named]
+    if AUTO in settings.sources:
+        sources.extend(_probed(name, settings) for name in CANDIDATES if name not in named)
+    return sources
+
+
+def _probed(name: str, settings: Settings) -> ProbedSource:
+    return ProbedSource(name, partial(probe_source, name, settings, PROBE_TIMEOUT_SECONDS),
+                        partial(create_source, name, settings))
 
 
 def build_daemon(settings: Settings) -> Daemon:
-    sources = [create_source(name, settings) for name in settings.sources]
+    sources = build_sources(settings)
     store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
     poller = Poller(
         sources, store, interval=settings.poll_interval, state_file=settings.state_file
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
+    approver = _build_approver(sources, uploader) if settings.azure_approve else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,6 +83,8 @@ def build_daemon(settings: Settings) -> Daemon:
         if uploader is not None:
             uploader.start()
         tasks = [asyncio.create_task(_announce_ready(poller, store))]
+        if approver is not None:
+            tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
         if interval is not None:
             tasks.append(asyncio.create_task(_watchdog(poller, interval)))
@@ -83,7 +107,7 @@ def build_daemon(settings: Settings) -> Daemon:
 
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None)
-    return Daemon(settings, store, poller, app, uploader)
+    return Daemon(settings, store, poller, app, uploader, approver)
 
 
 def _build_uploader(settings: Settings, store: Store) -> Any:
@@ -109,6 +133,29 @@ def _build_uploader(settings: Settings, store: Store) -> Any:
     )
     volume = VolumeDestination(where, storage.max_bandwidth) if isinstance(where, Path) else None
     return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
+
+
+def _build_approver(sources: list[Source], uploader: Any) -> Approver:
+    def approvable() -> list[Approvable]:
+        running = [s.source if isinstance(s, ProbedSource) else s for s in sources]
+        return [cast(Approvable, s) for s in running
+                if s is not None and getattr(s, "approve_enabled", False)]
+
+    def durable_since() -> Optional[float]:
+        record = uploader.tracker.last_durable()
+        return None if record is None else float(record.created_at_unix)
+
+    return Approver(approvable, durable_since if uploader is not None else None)
+
+
+async def _approve(approver: Approver) -> None:
+    while True:
+        try:
+            await asyncio.to_thread(approver.check_once)
+        except Exception as exc:  # a bug here must not stop the daemon; say where
+            log.error("approving scheduled events failed: %s %s", type(exc).__name__,
+                      where(exc))
+        await asyncio.sleep(APPROVE_INTERVAL_SECONDS)
 
 
 async def _announce_ready(poller: Poller, store: Store) -> None:

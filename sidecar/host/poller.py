@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.host.sources.base import Observation, Source, SourceError, where
+from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
 from sidecar.host.store import Store
 from sidecar.timeparse import format_rfc3339
 from sidecar.train.durable import replace_atomically
@@ -83,6 +83,7 @@ class Poller:
         self._save_lock = threading.Lock()
         self._last_logged_error: dict[str, Optional[str]] = {}
         self._vanished: dict[str, int] = {}  # polls in a row without the known deadline
+        self._last_absent: dict[str, str] = {}  # why auto found a source absent, as logged
         #: Set once every source has been polled at least once (systemd READY=1).
         self.first_attempt_done = threading.Event()
 
@@ -92,6 +93,14 @@ class Poller:
         """Poll one source, record the result, persist on change; return the next delay."""
         try:
             observation = source.poll()
+        except SourceAbsent as exc:  # --source auto: not on this machine (asked again later)
+            reason = _one_line(str(exc))
+            self._store.record_absent(source.name, reason)
+            if self._last_absent.get(source.name) != reason:
+                log.info("source %s does not run here: %s", source.name, reason)
+                self._last_absent[source.name] = reason
+            self._mark_attempted(source.name)
+            return self._interval_of(source)
         except SourceError as exc:
             message = _one_line(str(exc))
             self._store.record_failure(source.name, message, throttled=exc.throttled)
@@ -221,8 +230,11 @@ def save_state(path: Path, store: Store) -> None:
     sources: dict[str, Any] = {}
     for status in store.snapshot().sources:
         if status.observation is not None and status.observed_at_unix is not None:
+            observation = asdict(status.observation)
+            # Notices are what a source sees now: the next poll brings them back.
+            del observation["notices"]
             sources[status.name] = {
-                "observation": asdict(status.observation),
+                "observation": observation,
                 "observed_at_unix": status.observed_at_unix,
             }
     body = json.dumps({"version": STATE_VERSION, "sources": sources}, indent=1).encode()

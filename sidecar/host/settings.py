@@ -58,7 +58,7 @@ class Settings:
     listen: tuple[tuple[str, int], ...] = field(
         default_factory=lambda: (parse_address(DEFAULT_LISTEN),)
     )
-    sources: tuple[str, ...] = ("volcengine-esi",)
+    sources: tuple[str, ...] = ("auto",)
     instance_id: Optional[str] = None
     scheduled_instance_id: Optional[str] = None
     region: Optional[str] = None
@@ -274,9 +274,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
            f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
            "HOST:PORT", repeatable=True),
-    Option("source", _source_names, "where the deadline comes from: volcengine-esi (default), "
-           "aws (EC2 spot notices and maintenance), env, static; comma-separate several (the "
-           "earliest deadline wins)", "NAME",
+    Option("source", _source_names, "where the deadline comes from: auto (default: every "
+           "one of volcengine-esi, volcengine-events, aws, gcp, azure whose metadata service "
+           "answers here), volcengine-esi (the ESI release), volcengine-events (ECS system "
+           "events: spot and early reclaim, maintenance), aws (EC2 spot notices and "
+           "maintenance), gcp (preemption, host maintenance), azure (Scheduled Events), "
+           "env, static; comma-separate several (the earliest deadline wins)", "NAME",
            repeatable=True),
     Option("instance_id", _text, "ECS instance id (default: ask the metadata service)", "ID"),
     Option("scheduled_instance_id", _text, "ESI scheduled instance id (default: look it up "

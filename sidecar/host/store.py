@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from sidecar.models import Expiry, Observation
+from sidecar.models import Expiry, Notice, Observation
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["OUTCOMES", "Health", "Snapshot", "SourceStatus", "Store"]
+__all__ = ["OUTCOMES", "Health", "Snapshot", "SourceStatus", "Store", "build_expiry",
+           "build_health", "build_notices"]
 
 OUTCOMES = ("ok", "error", "throttled")
 
@@ -32,6 +33,9 @@ class SourceStatus:
     last_attempt_unix: Optional[float] = None
     consecutive_failures: int = 0
     polls: tuple[tuple[str, int], ...] = tuple((outcome, 0) for outcome in OUTCOMES)
+    # --source auto: why this source does not run on this machine (None: it runs, or its
+    # probe has not answered yet). An absent source counts for nothing.
+    absent: Optional[str] = None
 
     def age(self, now: float) -> Optional[float]:
         return None if self.observed_at_unix is None else now - self.observed_at_unix
@@ -46,6 +50,11 @@ class Snapshot:
     sources: tuple[SourceStatus, ...]
     stale_after: float
     started_at_unix: float
+
+    @property
+    def present(self) -> tuple[SourceStatus, ...]:
+        """The sources that count: all but those --source auto found absent."""
+        return tuple(status for status in self.sources if status.absent is None)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,7 @@ class Store:
                 last_attempt_unix=at,
                 consecutive_failures=0,
                 polls=_count(old.polls, "ok"),
+                absent=None,
             )
         return old.observation != observation
 
@@ -109,6 +119,13 @@ class Store:
                 consecutive_failures=old.consecutive_failures + 1,
                 polls=_count(old.polls, "throttled" if throttled else "error"),
             )
+
+    def record_absent(self, name: str, reason: str, at: Optional[float] = None) -> None:
+        """The source's service is not on this machine: leave it out until it appears."""
+        at = self._clock() if at is None else at
+        with self._lock:
+            self._sources[name] = replace(self._sources[name], absent=reason,
+                                          last_attempt_unix=at, error=None)
 
     def restore(self, name: str, observation: Observation, observed_at_unix: float) -> None:
         """Load a state saved by an earlier run; served as stale until a poll confirms it."""
@@ -146,24 +163,26 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
 
     ``stale`` is true when any source lacks a fresh success: a source we cannot hear from
     might hold an earlier deadline, and the client should know. ``observed_at`` is the
-    oldest of the sources' last successes, for the same reason.
+    oldest of the sources' last successes, for the same reason. Sources that --source auto
+    found absent count for nothing.
     """
+    present = snapshot.present
     deadlines = [
         (status.observation.expires_at_unix, status)
-        for status in snapshot.sources
+        for status in present
         if status.observation is not None and status.observation.expires_at_unix is not None
     ]
     chosen = min(deadlines, key=lambda pair: pair[0], default=(None, None))[1]
-    observed = [s.observed_at_unix for s in snapshot.sources if s.observed_at_unix is not None]
-    observed_at = min(observed) if len(observed) == len(snapshot.sources) else None
-    errors = [s for s in snapshot.sources if s.error]
+    observed = [s.observed_at_unix for s in present if s.observed_at_unix is not None]
+    observed_at = min(observed) if observed and len(observed) == len(present) else None
+    errors = [s for s in present if s.error]
     if len(snapshot.sources) == 1:
         error = errors[0].error if errors else None
     else:
         error = "; ".join(f"{s.name}: {s.error}" for s in errors) or None
-    stale = not all(s.is_fresh(now, snapshot.stale_after) for s in snapshot.sources)
+    stale = not all(s.is_fresh(now, snapshot.stale_after) for s in present)
     # Identity fields come from the source that gave the deadline, else from any that knows.
-    identity = chosen or next((s for s in snapshot.sources if s.observation), None)
+    identity = chosen or next((s for s in present if s.observation), None)
     observation = identity.observation if identity else None
     deadline = chosen.observation.expires_at_unix if chosen and chosen.observation else None
     return Expiry(
@@ -182,13 +201,51 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
         assumed_timezone=(
             chosen.observation.assumed_timezone if chosen and chosen.observation else None
         ),
+        notices=build_notices(present, now, snapshot.stale_after),
     )
+
+
+def build_notices(sources: Sequence[SourceStatus], now: float,
+                  stale_after: float) -> tuple[dict[str, Any], ...]:
+    """Every notice of every source, the earliest deadline first, advice last: what the
+    ``notices`` field of ``/v1/expiry`` lists. A source that lists none contributes its
+    deadline as its one notice."""
+    notices = []
+    for status in sources:
+        observation = status.observation
+        if observation is None:
+            continue
+        listed = observation.notices
+        if not listed and observation.expires_at_unix is not None:
+            listed = (Notice(observation.kind or "deadline", observation.expires_at_unix),)
+        for notice in listed:
+            notices.append(_notice_json(status, notice, now, stale_after))
+    notices.sort(key=lambda n: (n["advisory"], n["expires_at_unix"] is None,
+                                n["expires_at_unix"] or 0.0, n["source"]))
+    return tuple(notices)
+
+
+def _notice_json(status: SourceStatus, notice: Notice, now: float,
+                 stale_after: float) -> dict[str, Any]:
+    when = notice.expires_at_unix
+    return {
+        "source": status.name,
+        "kind": notice.kind,
+        "expires_at": None if when is None else format_rfc3339(when),
+        "expires_at_unix": when,
+        "remaining_seconds": None if when is None else when - now,
+        "advisory": notice.advisory,
+        "detail": notice.detail,
+        "observed_at": (None if status.observed_at_unix is None
+                        else format_rfc3339(status.observed_at_unix)),
+        "stale": not status.is_fresh(now, stale_after),
+    }
 
 
 def build_health(snapshot: Snapshot, now: float) -> Health:
     """ok: every source has a fresh success. starting: some source has not answered yet
     and the staleness bound since start-up has not passed. degraded: anything else."""
-    for status in snapshot.sources:
+    for status in snapshot.present:
         if status.is_fresh(now, snapshot.stale_after):
             continue
         waited = now - snapshot.started_at_unix

@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from sidecar.models import Observation
 
-__all__ = ["Observation", "Source", "SourceError", "where"]
+__all__ = ["Observation", "Source", "SourceAbsent", "SourceError", "where"]
 
 
 class SourceError(Exception):
@@ -26,6 +26,11 @@ class SourceError(Exception):
     def __init__(self, message: str, *, throttled: bool = False) -> None:
         super().__init__(message)
         self.throttled = throttled
+
+
+class SourceAbsent(Exception):
+    """This machine has no such service (``--source auto`` probed it): not an error. The
+    message says why, in one line; the source is left out of the deadline and of health."""
 
 
 def where(exc: BaseException) -> str:

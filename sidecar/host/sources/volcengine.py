@@ -31,7 +31,7 @@ from sidecar.host.sources.base import Observation, SourceError, where
 from sidecar.models import DEFAULT_METADATA_URL, KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import ParsedTime, TimestampError, parse_timestamp
 
-__all__ = ["VolcengineEsiSource", "from_settings"]
+__all__ = ["VolcengineEsiSource", "build_options", "from_settings", "probe"]
 
 logger = logging.getLogger("sidecar.host.sources.volcengine")
 
@@ -457,13 +457,43 @@ def _connect_directly(client: Any) -> None:
     logger.info("not using the proxy from the environment for the loopback/NO_PROXY endpoint")
 
 
+def build_options(settings: Any) -> dict[str, Any]:
+    """The constructor's arguments from the daemon settings (``sidecar.host.settings``),
+    for this source and the volcengine-events one."""
+    return {
+        "instance_id": getattr(settings, "instance_id", None),
+        "scheduled_instance_id": getattr(settings, "scheduled_instance_id", None),
+        "region": getattr(settings, "region", None),
+        "api_endpoint": getattr(settings, "api_endpoint", None),
+        "metadata_url": getattr(settings, "metadata_url", None) or DEFAULT_METADATA_URL,
+        "naive_timezone": getattr(settings, "naive_timezone", None) or timezone.utc,
+    }
+
+
 def from_settings(settings: Any) -> VolcengineEsiSource:
     """Build the source from the daemon settings (see ``sidecar.host.settings``)."""
-    return VolcengineEsiSource(
-        instance_id=getattr(settings, "instance_id", None),
-        scheduled_instance_id=getattr(settings, "scheduled_instance_id", None),
-        region=getattr(settings, "region", None),
-        api_endpoint=getattr(settings, "api_endpoint", None),
-        metadata_url=getattr(settings, "metadata_url", None) or DEFAULT_METADATA_URL,
-        naive_timezone=getattr(settings, "naive_timezone", None) or timezone.utc,
-    )
+    return VolcengineEsiSource(**build_options(settings))
+
+
+def probe(settings: Any, timeout: float) -> Optional[str]:
+    """None when the ECS metadata service answers with an instance id (for ``--source
+    auto``), else why not, in one line. Skipped (None) when the settings name the
+    instance and region: then no metadata is needed."""
+    if getattr(settings, "instance_id", None) and getattr(settings, "region", None):
+        return None
+    url = f"{(settings.metadata_url or DEFAULT_METADATA_URL).rstrip('/')}/latest/instance_id"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            text = response.read(4096).decode("utf-8", "replace").strip()
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return f"no ECS metadata service at {url} (HTTP {exc.code})"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        why = (f"no answer within {timeout:g} s" if isinstance(reason, TimeoutError)
+               or "timed out" in str(reason) else "cannot connect")
+        return f"no ECS metadata service at {url} ({why})"
+    if not _METADATA_VALUE.match(text):
+        return f"no ECS metadata service at {url} (unexpected answer {text[:40]!r})"
+    return None

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Optional
 
 __all__ = [
@@ -21,11 +22,13 @@ __all__ = [
     "ids_from",
     "new_request_id",
     "result_body",
+    "system_event",
 ]
 
 API_VERSION = "2020-04-01"
 SERVICE = "ecs"
-ACTIONS = ("DescribeInstances", "DescribeScheduledInstances")
+ACTIONS = ("DescribeInstances", "DescribeScheduledInstances", "DescribeSystemEvents")
+SYSTEM_EVENTS_PAGE = 20  # the service's default page size, when MaxResults is not given
 # Fixed, plausible values: the daemon reads none of them, but a wire format test
 # should see the shape of a real answer.
 _CREATED_AT = "2026-11-01T10:00:00+08:00"
@@ -41,6 +44,8 @@ class Instance:
     region: str
     # None: the field is left out (no scheduled release); "" is served as "".
     auto_release_at: Optional[str]
+    # System events in the wire format (``Id``, ``ResourceId``, ``Type``, ``Status``, ...).
+    system_events: tuple[dict[str, Any], ...] = ()
 
     @property
     def zone_id(self) -> str:
@@ -132,6 +137,49 @@ def _describe_scheduled(params: Sequence[tuple[str, str]], instance: Instance) -
     return {"ScheduledInstanceInfo": [_scheduled_json(item) for item in found], "NextToken": ""}
 
 
+def system_event(event_id: str, resource_id: str, event_type: str, status: str,
+                 created_at: str, operated_start_at: str = "") -> dict[str, Any]:
+    """One event of ``DescribeSystemEvents``, with every field the service writes."""
+    return {
+        "Id": event_id,
+        "ResourceId": resource_id,
+        "Type": event_type,
+        "Status": status,
+        "Category": "ResourceEvent",
+        "ImpactLevel": "Critical",
+        "CreatedAt": created_at,
+        "UpdatedAt": created_at,
+        "OperatedStartAt": operated_start_at,
+        "OperatedEndAt": "",
+        "ExtraInfo": {},
+    }
+
+
+def _describe_system_events(params: Sequence[tuple[str, str]],
+                            instance: Instance) -> dict[str, Any]:
+    """Filters as the service applies them (each list filter: any of its values); the
+    page token is the index of the next event, an opaque string to the caller."""
+    filters = {field: ids_from(params, name) for field, name in (
+        ("ResourceId", "ResourceIds"), ("Id", "EventIds"), ("Type", "Types"),
+        ("Status", "Status"))}
+    values = dict(params)
+    events = [event for event in instance.system_events
+              if all(not wanted or event.get(field) in wanted
+                     for field, wanted in filters.items())]
+    start = values.get("CreatedAtStart")
+    if start:
+        events = [event for event in events if _unix(event["CreatedAt"]) >= _unix(start)]
+    offset = int(values.get("NextToken") or 0)
+    size = int(values.get("MaxResults") or SYSTEM_EVENTS_PAGE)
+    page = events[offset:offset + size]
+    more = offset + size < len(events)
+    return {"SystemEvents": page, "NextToken": str(offset + size) if more else ""}
+
+
+def _unix(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def result_body(
     action: str, params: Sequence[tuple[str, str]], instance: Instance, request_id: str
 ) -> dict[str, Any]:
@@ -141,6 +189,8 @@ def result_body(
         result = _describe_instances(params, instance)
     elif action == "DescribeScheduledInstances":
         result = _describe_scheduled(params, instance)
+    elif action == "DescribeSystemEvents":
+        result = _describe_system_events(params, instance)
     else:
         raise ValueError(f"unsupported action {action!r}")
     return {"ResponseMetadata": _metadata(action, instance.region, request_id), "Result": result}

@@ -3,8 +3,9 @@ service and a small control API for tests and the demo.
 
     /?Action=DescribeInstances&Version=2020-04-01&InstanceIds.1=...   signed OpenAPI
     /?Action=DescribeScheduledInstances&...&ScheduledInstanceIds.1=...
+    /?Action=DescribeSystemEvents&...&ResourceIds.1=...                 system events
     /latest/instance_id, /latest/region_id                              metadata (text)
-    /_emulator/state | release | fault                                  control (JSON)
+    /_emulator/state | release | fault | event                          control (JSON)
 
 Standard library only. ``Emulator.start()`` serves on a daemon thread and returns;
 ``stop()`` shuts the server down and wakes any request held by a ``slow`` fault.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +31,7 @@ from sidecar.tools.emulator.openapi import (
     error_body,
     new_request_id,
     result_body,
+    system_event,
 )
 from sidecar.tools.emulator.signing import AuthError, Credentials, verify
 from sidecar.tools.emulator.state import FAULT_KINDS, EmulatorState, release_in
@@ -174,6 +177,25 @@ class Emulator:
     def clear_faults(self) -> None:
         self._state.clear_faults()
 
+    def raise_event(self, event_type: str = "SpotInstanceInterruption_Delete", *,
+                    in_seconds: Optional[float] = None, status: str = "Scheduled",
+                    resource_id: Optional[str] = None, created_ago: float = 0.0) -> str:
+        """A system event for this instance (or ``resource_id``); ``in_seconds``: when the
+        platform acts (``OperatedStartAt``), None leaves the field empty, as the service
+        does for a spot interruption. Returns the event id."""
+        event_id = "e-" + os.urandom(8).hex()
+        operated = "" if in_seconds is None else release_in(in_seconds)
+        self._state.add_event(system_event(
+            event_id, resource_id or self.instance_id, event_type, status,
+            created_at=release_in(-created_ago), operated_start_at=operated))
+        return event_id
+
+    def set_event_status(self, event_id: str, status: str) -> None:
+        self._state.update_event(event_id, Status=status)
+
+    def clear_events(self) -> None:
+        self._state.clear_events()
+
     def request_count(self, action: Optional[str] = None) -> int:
         """OpenAPI requests received (all actions, or one), signed correctly or not."""
         return self._state.request_count(action)
@@ -249,6 +271,7 @@ class Emulator:
             scheduled_instance_id=None if "non-esi" in faults else self.scheduled_instance_id,
             region=self.region,
             auto_release_at=release,
+            system_events=tuple(self._state.events),
         )
         reply = _json_reply(200, result_body(action, params + form, instance, request_id))
         if "malformed-json" in faults:
@@ -276,7 +299,10 @@ class Emulator:
         if route == "/_emulator/fault" and method == "DELETE":
             self.clear_faults()
             return _json_reply(200, self.snapshot())
-        if route not in ("/_emulator/release", "/_emulator/fault"):
+        if route == "/_emulator/event" and method == "DELETE":
+            self.clear_events()
+            return _json_reply(200, self.snapshot())
+        if route not in ("/_emulator/release", "/_emulator/fault", "/_emulator/event"):
             return _control_error(404, f"no control endpoint {path!r}")
         if method != "POST":
             return _control_error(405, f"use POST {route}")
@@ -289,6 +315,8 @@ class Emulator:
         try:
             if route == "/_emulator/release":
                 self._control_release(request)
+            elif route == "/_emulator/event":
+                self._control_event(request)
             else:
                 self._control_fault(request)
         except ValueError as exc:
@@ -308,6 +336,22 @@ class Emulator:
             self.set_release_in(seconds)
         else:
             self.set_release(request["auto_release_at"])
+
+    def _control_event(self, request: Mapping[str, Any]) -> None:
+        unknown = set(request) - {"type", "in_seconds", "status", "resource_id"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {sorted(unknown)}; use type, in_seconds, "
+                             "status, resource_id")
+        seconds = request.get("in_seconds")
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(
+                seconds, (int, float)) or not math.isfinite(seconds)):
+            raise ValueError(f"in_seconds must be a finite number or null, got {seconds!r}")
+        for key in ("type", "status", "resource_id"):
+            if request.get(key) is not None and not isinstance(request[key], str):
+                raise ValueError(f"{key} must be a string, got {request[key]!r}")
+        self.raise_event(request.get("type") or "SpotInstanceInterruption_Delete",
+                         in_seconds=seconds, status=request.get("status") or "Scheduled",
+                         resource_id=request.get("resource_id"))
 
     def _control_fault(self, request: Mapping[str, Any]) -> None:
         unknown = set(request) - {"kind", "count", "delay"}

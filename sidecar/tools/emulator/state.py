@@ -77,6 +77,7 @@ class EmulatorState:
         self._faults: list[Fault] = []
         self._requests: Counter[str] = Counter()
         self._metadata_requests = 0
+        self._events: list[dict[str, Any]] = []  # system events, in the wire format
 
     def set_release(self, auto_release_at: Optional[str]) -> None:
         if auto_release_at is not None and not isinstance(auto_release_at, str):
@@ -88,6 +89,27 @@ class EmulatorState:
     def auto_release_at(self) -> Optional[str]:
         with self._lock:
             return self._auto_release_at
+
+    def add_event(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(dict(event))
+
+    def update_event(self, event_id: str, **fields: Any) -> None:
+        with self._lock:
+            for event in self._events:
+                if event["Id"] == event_id:
+                    event.update(fields)
+                    return
+        raise ValueError(f"no system event {event_id!r}")
+
+    def clear_events(self) -> None:
+        with self._lock:
+            self._events.clear()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(event) for event in self._events]
 
     def add_fault(self, kind: str, count: Optional[int] = None, delay: float = 0.0) -> None:
         _validate_fault(kind, count, delay)
@@ -144,6 +166,7 @@ class EmulatorState:
         with self._lock:
             return {
                 "auto_release_at": self._auto_release_at,
+                "system_events": [dict(event) for event in self._events],
                 "faults": [fault.to_json() for fault in self._faults],
                 "request_counts": dict(self._requests),
                 "metadata_requests": self._metadata_requests,

@@ -1,0 +1,71 @@
+"""Approve a platform's pending event once the job's work is safe, so the platform need
+not wait out the whole notice (Azure Scheduled Events: ``StartRequests``).
+
+"Safe" means a checkpoint saved after the event was first seen is durable in storage:
+the uploader says so. Without an uploader nothing is approved (a local checkpoint dies
+with a preempted VM). Opt-in (``--azure-approve true``); the platform acts at its
+``NotBefore`` anyway, so a missed approval costs nothing but the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Callable, Optional, Protocol
+
+from sidecar.host.sources.base import SourceError
+
+__all__ = ["Approvable", "Approver"]
+
+log = logging.getLogger("sidecar.host.approve")
+
+
+class Approvable(Protocol):
+    """A source whose platform takes approvals (``sidecar.host.sources.azure``)."""
+
+    name: str
+
+    def pending(self) -> list[tuple[str, float, str]]:
+        """(event id, first seen Unix time, event type) not yet approved."""
+        ...
+
+    def approve(self, event_ids: Sequence[str]) -> None: ...
+
+
+class Approver:
+    def __init__(self, sources: Callable[[], Sequence[Approvable]],
+                 durable_since: Optional[Callable[[], Optional[float]]]) -> None:
+        """``sources``: the approvable sources running now (auto may find one later).
+        ``durable_since``: the save time of the newest durable checkpoint (None: none
+        yet); None when this daemon uploads nothing."""
+        self._sources = sources
+        self._durable_since = durable_since
+        self._said_no_uploader = False
+
+    def check_once(self) -> list[str]:
+        """Approve what may be approved now; return the approved event ids."""
+        approved: list[str] = []
+        for source in self._sources():
+            pending = source.pending()
+            if not pending:
+                continue
+            if self._durable_since is None:
+                if not self._said_no_uploader:
+                    log.warning("%s: not approving %s: approval needs the uploader "
+                                "(--upload-to), a local checkpoint dies with the VM",
+                                source.name, ", ".join(event for event, _, _ in pending))
+                    self._said_no_uploader = True
+                continue
+            saved = self._durable_since()
+            ready = [event for event, seen, _ in pending if saved is not None and saved >= seen]
+            if not ready:
+                continue
+            try:
+                source.approve(ready)
+            except SourceError as exc:
+                log.warning("%s: approving %s failed: %s", source.name, ", ".join(ready), exc)
+                continue
+            log.info("%s: approved %s: a checkpoint saved after the notice is durable",
+                     source.name, ", ".join(ready))
+            approved.extend(ready)
+        return approved
