@@ -1,0 +1,188 @@
+"""--source auto: every metadata service is probed in parallel, what answers runs, the
+rest is named with the reason; /v1/expiry lists every notice, the earliest wins. All
+services are emulators or dead ports on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from daemon_harness import fetch_json, get_json, serve_daemon, wait_for
+
+from sidecar.host.sources.auto import CANDIDATES, REPROBE_SECONDS, ProbedSource
+from sidecar.host.sources.base import SourceAbsent
+from sidecar.models import KIND_PREEMPTION, KIND_SCHEDULED_RELEASE, Observation
+from sidecar.tools.emulator import Emulator
+from sidecar.tools.emulator.aws import AwsImdsEmulator
+
+URL_SETTINGS = ("metadata_url", "aws_imds_url", "gcp_metadata_url", "azure_metadata_url")
+
+
+@pytest.fixture
+def dead_url(unused_port: int) -> str:
+    return f"http://127.0.0.1:{unused_port}"
+
+
+@pytest.fixture
+def hung_url() -> Iterator[str]:
+    """Accepts connections and never answers: a metadata address that swallows packets."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def everywhere(url: str, **overrides: Any) -> dict[str, Any]:
+    settings: dict[str, Any] = {name: url for name in URL_SETTINGS}
+    settings.update(sources=("auto",), poll_interval=0.2)
+    settings.update(overrides)
+    return settings
+
+
+def test_the_suite_cannot_reach_a_cloud_metadata_address() -> None:
+    with pytest.raises(OSError, match="loopback only"):
+        urllib.request.urlopen("http://169.254.169.254/latest/api/token", timeout=1)
+
+
+def test_nothing_answers_no_deadline_healthy_and_every_source_named(dead_url: str) -> None:
+    started = time.monotonic()
+    with serve_daemon(**everywhere(dead_url)) as daemon:
+        wait_for(lambda: daemon.poller.first_attempt_done.is_set(), timeout=5)
+        ready_after = time.monotonic() - started
+        status, health = get_json(daemon.url + "/healthz")
+        expiry = get_json(daemon.url + "/v1/expiry")[1]
+    assert ready_after < 2.0
+    assert status == 200 and health["status"] == "ok" and health["sources"] == {}
+    assert sorted(health["skipped"]) == sorted(CANDIDATES)
+    assert "cannot connect" in health["skipped"]["aws"]
+    assert expiry["expires_at"] is None and expiry["notices"] == []
+    assert expiry["stale"] is False and expiry["error"] is None
+
+
+def test_a_service_that_never_answers_costs_one_probe_timeout(hung_url: str) -> None:
+    started = time.monotonic()
+    with serve_daemon(**everywhere(hung_url)) as daemon:
+        wait_for(lambda: daemon.poller.first_attempt_done.is_set(), timeout=5)
+        ready_after = time.monotonic() - started
+        health = get_json(daemon.url + "/healthz")[1]
+    assert ready_after < 2.0  # probes run in parallel, each bounded (0.8 s)
+    assert all("no answer within" in reason for reason in health["skipped"].values()), health
+
+
+def test_only_the_service_that_answers_runs_and_its_notice_is_served(dead_url: str) -> None:
+    with AwsImdsEmulator() as imds, serve_daemon(
+            **everywhere(dead_url, aws_imds_url=imds.url)) as daemon:
+        wait_for(lambda: daemon.store.health().ok and "aws" in get_json(
+            daemon.url + "/healthz")[1]["sources"])
+        health = get_json(daemon.url + "/healthz")[1]
+        assert list(health["sources"]) == ["aws"]
+        assert "aws" not in health["skipped"] and len(health["skipped"]) == 4
+        release = int(time.time()) + 120
+        imds.interrupt(release)
+        imds.recommend_rebalance(time.time())
+        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["expires_at_unix"] == release)
+        body = get_json(daemon.url + "/v1/expiry")[1]
+        metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=5).read().decode()
+    assert body["kind"] == KIND_PREEMPTION and body["source"] == "aws"
+    kinds = [(n["kind"], n["advisory"]) for n in body["notices"]]
+    assert kinds == [(KIND_PREEMPTION, False), ("rebalance-recommendation", True)]
+    assert body["notices"][0]["detail"] == "spot terminate"
+    assert body["notices"][1]["expires_at"] is None
+    assert 'esi_sidecar_source_running{source="aws"} 1.0' in metrics
+    assert 'esi_sidecar_source_running{source="gcp"} 0.0' in metrics
+
+
+def test_several_clouds_at_once_the_earliest_wins_and_all_are_listed(
+        dead_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VOLCENGINE_ACCESS_KEY", "AKLTautotest0001")
+    monkeypatch.setenv("VOLCENGINE_SECRET_KEY", "auto-test-secret")
+    with Emulator(access_key="AKLTautotest0001", secret_key="auto-test-secret") as ecs, \
+            AwsImdsEmulator() as imds:
+        ecs.set_release_in(600)
+        imds.schedule_maintenance(time.time() + 3600)
+        settings = everywhere(dead_url, metadata_url=ecs.url, api_endpoint=ecs.url,
+                              aws_imds_url=imds.url)
+        with serve_daemon(**settings) as daemon:
+            wait_for(lambda: len(get_json(daemon.url + "/v1/expiry")[1]["notices"]) == 2)
+            body = get_json(daemon.url + "/v1/expiry")[1]
+            health = get_json(daemon.url + "/healthz")[1]
+    assert body["kind"] == KIND_SCHEDULED_RELEASE and body["source"] == "volcengine-esi"
+    assert [n["source"] for n in body["notices"]] == ["volcengine-esi", "aws"]
+    assert sorted(health["sources"]) == ["aws", "volcengine-esi", "volcengine-events"]
+
+
+def test_a_service_that_appears_later_is_picked_up_by_the_next_probe() -> None:
+    answers = iter(["no answer within 0.8 s", None])
+    found = Observation(expires_at_unix=1_900_000_000.0, kind=KIND_PREEMPTION)
+
+    class Found:
+        name = "aws"
+        poll_interval_seconds = 2.0
+
+        def poll(self) -> Observation:
+            return found
+
+    probed = ProbedSource("aws", lambda: next(answers), Found)
+    assert probed.poll_interval_seconds == REPROBE_SECONDS
+    with pytest.raises(SourceAbsent, match="no answer"):
+        probed.poll()
+    assert probed.poll() is found and probed.found
+    assert probed.poll_interval_seconds == 2.0  # the real source's cadence from now on
+
+
+def test_a_source_named_beside_auto_runs_for_sure_and_its_failure_counts(
+        dead_url: str) -> None:
+    with serve_daemon(**everywhere(dead_url, sources=("auto", "aws"))) as daemon:
+        wait_for(lambda: daemon.poller.first_attempt_done.is_set(), timeout=5)
+        names = [status.name for status in daemon.store.snapshot().sources]
+        status, health = get_json(daemon.url + "/healthz")
+    assert names.count("aws") == 1 and len(names) == len(CANDIDATES)
+    assert "aws" not in health["skipped"] and len(health["skipped"]) == len(CANDIDATES) - 1
+    assert status == 503 and "not on EC2" in health["sources"]["aws"]["error"]
+
+
+def test_serve_with_auto_on_a_machine_without_metadata_starts_in_under_2_s(
+        dead_url: str) -> None:
+    port = _free_port()
+    env = {**os.environ, **{f"ESI_SIDECAR_{name.upper()}": dead_url for name in URL_SETTINGS}}
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "serve", "--listen", f"127.0.0.1:{port}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        answer = wait_for(lambda: fetch_json(f"http://127.0.0.1:{port}/healthz", 0.5),
+                          timeout=30, interval=0.02)
+        up_after = time.monotonic() - started
+        wait_for(lambda: (fetch_json(f"http://127.0.0.1:{port}/healthz", 0.5) or (0,))[0]
+                 == 200, timeout=5)
+        expiry = get_json(f"http://127.0.0.1:{port}/v1/expiry")[1]
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=10)[0]
+    assert answer is not None
+    # Python start-up and imports included; the probes themselves fail at once here.
+    assert up_after < 2.0 + _import_allowance(), output
+    assert expiry["expires_at"] is None
+    assert "does not run here" in output
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _import_allowance() -> float:
+    """Seconds this machine takes to import the daemon's modules, measured now: the
+    target is about the daemon, not about a loaded CI machine's disk."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import sidecar.host.daemon"], check=True)
+    return time.monotonic() - started
