@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from sidecar import __version__
 from sidecar.models import Expiry
@@ -47,6 +47,11 @@ def format_duration(seconds: float) -> str:
     return f"{sign}{secs}s"
 
 
+# kind -> (noun, verb) for the status line: "reclaimed in 2m 04s", "maintenance in 1h".
+_WORDS = {"preemption-notice": ("reclaim", "reclaimed"),
+          "scheduled-maintenance": ("maintenance", "maintenance")}
+
+
 def describe(expiry: Expiry) -> list[str]:
     """Human-readable lines for ``esi-sidecar status``."""
     where = expiry.source or "no source"
@@ -58,10 +63,11 @@ def describe(expiry: Expiry) -> list[str]:
     else:
         at = datetime.fromtimestamp(expiry.expires_at_unix, tz=timezone.utc)
         stamp = at.strftime("%Y-%m-%d %H:%M:%S UTC")
+        noun, verb_in = _WORDS.get(expiry.kind or "", ("release", "releases"))
         if expiry.remaining_seconds > 0:
-            verb = f"releases in {format_duration(expiry.remaining_seconds)}"
+            verb = f"{verb_in} in {format_duration(expiry.remaining_seconds)}"
         else:
-            verb = f"release time passed {format_duration(-expiry.remaining_seconds)} ago"
+            verb = f"{noun} time passed {format_duration(-expiry.remaining_seconds)} ago"
         kind = "" if expiry.kind in (None, "scheduled-release") else f" [{expiry.kind}]"
         lines.append(f"{verb} at {stamp}{kind} ({where})")
     if expiry.instance_id or expiry.scheduled_instance_id:
@@ -73,6 +79,38 @@ def describe(expiry: Expiry) -> list[str]:
         lines.append("warning: stale - no recent successful poll; this may be out of date")
     if expiry.error:
         lines.append(f"last error: {expiry.error}")
+    if len(expiry.notices) > 1 or any(n.get("advisory") for n in expiry.notices):
+        lines.append("notices:")
+        lines.extend("  " + _notice_line(notice) for notice in expiry.notices)
+    return lines
+
+
+def _notice_line(notice: dict[str, Any]) -> str:
+    remaining = notice.get("remaining_seconds")
+    if notice.get("advisory"):
+        when = "advice"
+    elif not isinstance(remaining, (int, float)):
+        when = "no time"
+    elif remaining > 0:
+        when = f"in {format_duration(remaining)}"
+    else:
+        when = f"{format_duration(-remaining)} ago"
+    detail = f"  {notice['detail']}" if notice.get("detail") else ""
+    return f"{notice.get('source', '?'):<18} {notice.get('kind', '?'):<25} {when:<14}{detail}"
+
+
+def describe_sources(health: Any) -> list[str]:
+    """Which sources run and which --source auto left out, from a /healthz body."""
+    if not isinstance(health, dict):
+        return []
+    running = health.get("sources")
+    skipped = health.get("skipped")
+    lines = []
+    if isinstance(running, dict) and running:
+        lines.append("sources: " + ", ".join(sorted(running)))
+    if isinstance(skipped, dict) and skipped:
+        lines.append("not on this machine:")
+        lines.extend(f"  {name:<18} {reason}" for name, reason in sorted(skipped.items()))
     return lines
 
 
@@ -107,8 +145,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(json.dumps(expiry.to_json(), indent=2))
     else:
-        print("\n".join(describe(expiry)))
+        print("\n".join(describe(expiry) + describe_sources(_health(args))))
     return 0
+
+
+def _health(args: argparse.Namespace) -> Any:
+    """The /healthz body of the first daemon (200 or 503 alike), None when unreachable."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = SidecarClient(args.url, timeout=args.timeout).urls[0] + "/healthz"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=max(args.timeout, 0.5)) as response:
+            return json.loads(response.read(1 << 16))
+    except urllib.error.HTTPError as exc:
+        with exc:
+            try:
+                return json.loads(exc.read(1 << 16))
+            except ValueError:
+                return None
+    except (OSError, ValueError):
+        return None
 
 
 def cmd_check(args: argparse.Namespace) -> int:

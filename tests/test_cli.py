@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from daemon_harness import serve_daemon, wait_for
+from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.cli import describe, format_duration
 from sidecar.models import Expiry
@@ -122,3 +122,29 @@ def test_help_lists_every_command_and_serve_lists_every_variable() -> None:
     for variable in ("ESI_SIDECAR_LISTEN", "ESI_SIDECAR_POLL_INTERVAL", "ESI_SIDECAR_API_ENDPOINT",
                      "ESI_SIDECAR_STATE_FILE"):
         assert variable in serve
+
+
+def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: int) -> None:
+    from sidecar.tools.emulator.aws import AwsImdsEmulator
+
+    dead = f"http://127.0.0.1:{unused_port}"
+    with AwsImdsEmulator() as imds, serve_daemon(
+            sources=("auto",), aws_imds_url=imds.url, metadata_url=dead,
+            gcp_metadata_url=dead, azure_metadata_url=dead) as daemon:
+        imds.interrupt(time.time() + 125, action="stop")
+        imds.schedule_maintenance(time.time() + 7200)
+        imds.recommend_rebalance(time.time())
+        wait_for(lambda: len(get_json(daemon.url + "/v1/expiry")[1]["notices"]) == 3)
+        status = cli("status", "--url", daemon.url)
+    lines = status.stdout.splitlines()
+    assert status.returncode == 0, status.stderr
+    assert lines[0].startswith("reclaimed in 2m 0") and "[preemption-notice] (aws" in lines[0]
+    notices = lines[lines.index("notices:") + 1:][:3]
+    assert "in 2m 0" in notices[0] and "spot stop" in notices[0]
+    assert "scheduled-maintenance" in notices[1] and "in 1h 59m" in notices[1]
+    assert "advice" in notices[2] and "rebalance recommended" in notices[2]
+    assert "sources: aws" in lines
+    skipped = lines[lines.index("not on this machine:") + 1:]
+    assert [line.split()[0] for line in skipped] == ["azure", "gcp", "volcengine-esi",
+                                                     "volcengine-events"]
+    assert all("cannot connect" in line for line in skipped)
