@@ -64,6 +64,12 @@ def _notice(quick: bool) -> dict[str, Any]:
     return main_notice(quick)
 
 
+def _reclaim(quick: bool) -> dict[str, Any]:
+    from benchmarks.bench_reclaim import main
+
+    return main(quick)
+
+
 def _footprint(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_daemon import main_footprint
 
@@ -113,6 +119,8 @@ BENCHMARKS = (
     Benchmark("client", "client per-step overhead (should_save cached / uncached)", _client),
     Benchmark("notice", "notice latency: emulator moves the release -> client sees it",
               _notice),
+    Benchmark("reclaim", "reclaim notices on each cloud's emulator -> daemon -> should_save()",
+              _reclaim),
     Benchmark("footprint", "daemon memory, idle CPU, start-up, install size", _footprint),
     Benchmark("checkpoint", "atomic_checkpoint vs torch.save (benchmarks/bench_checkpoint.py)",
               _checkpoint),
