@@ -240,6 +240,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"esi-sidecar emulate: invalid --listen {args.listen!r}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.cloud != "volcengine":
+        return _emulate_metadata(args.cloud, host, port)
     from sidecar.tools.emulator import Emulator
 
     emulator = Emulator(
@@ -263,7 +265,44 @@ def cmd_emulate(args: argparse.Namespace) -> int:
           f"VOLCENGINE_SECRET_KEY={args.secret_key}")
     print(f"  esi-sidecar serve --api-endpoint {url} --metadata-url {url}")
     print(f"Move the release:  curl -X POST {url}/_emulator/release -d '{{\"in_seconds\": 600}}'")
-    print("Ctrl-C to stop.")
+    print(f"Spot reclaim:      curl -X POST {url}/_emulator/event "
+          "-d '{\"type\": \"SpotInstanceInterruption_Delete\"}'")
+    print("  (the daemon reads system events with --source volcengine-esi,volcengine-events)")
+    return _serve_until_interrupted(emulator)
+
+
+# cloud -> (emulator class, what it fakes, the serve flag, a notice to raise: path, body)
+_METADATA_CLOUDS = {
+    "aws": ("sidecar.tools.emulator.aws:AwsImdsEmulator", "AWS EC2 instance metadata (IMDSv2)",
+            "--source aws --aws-imds-url", "interrupt", '{"in_seconds": 120}'),
+    "gcp": ("sidecar.tools.emulator.gcp:GcpMetadataEmulator", "GCE metadata server",
+            "--source gcp --gcp-metadata-url", "preempt", "{}"),
+    "azure": ("sidecar.tools.emulator.azure:AzureImdsEmulator",
+              "Azure Instance Metadata Service (Scheduled Events)",
+              "--source azure --azure-metadata-url", "event",
+              '{"type": "Preempt", "in_seconds": 30}'),
+}
+
+
+def _emulate_metadata(cloud: str, host: str, port: int) -> int:
+    import importlib
+
+    target, what, flags, verb, body = _METADATA_CLOUDS[cloud]
+    module, _, name = target.partition(":")
+    emulator = getattr(importlib.import_module(module), name)()
+    url = emulator.start(host=host, port=port)
+    print(f"{what} emulator on {url}")
+    print("Point the daemon at it, in another terminal:")
+    print(f"  esi-sidecar serve {flags} {url}")
+    print(f"Raise a notice:    curl -X POST {url}/_emulator/{verb} -d '{body}'")
+    print(f"Withdraw it:       curl -X POST {url}/_emulator/clear")
+    print(f"Inject a fault:    curl -X POST {url}/_emulator/fault "
+          "-d '{\"kind\": \"status\", \"status\": 503, \"count\": 3}'")
+    return _serve_until_interrupted(emulator)
+
+
+def _serve_until_interrupted(emulator: Any) -> int:
+    print("Ctrl-C to stop.", flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -411,10 +450,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     emulate = commands.add_parser(
         "emulate",
-        help="run the Volcengine ECS emulator (for trying the daemon without a cloud)",
-        description="A local fake of the ECS OpenAPI (DescribeInstances, "
-        "DescribeScheduledInstances, signature checked) and the metadata service.",
+        help="run a cloud emulator (for trying the daemon without a cloud)",
+        description="A local fake of a cloud, in its wire format: by default the Volcengine "
+        "ECS OpenAPI (DescribeInstances, DescribeScheduledInstances, DescribeSystemEvents, "
+        "signature checked) and its metadata service; --cloud aws, gcp or azure for their "
+        "instance metadata services and reclaim notices. Each has a JSON control API under "
+        "/_emulator/ (printed at start).",
     )
+    emulate.add_argument("--cloud", choices=("volcengine", *_METADATA_CLOUDS),
+                         default="volcengine", help="which cloud to fake (default volcengine; "
+                         "the --access-key ... --release-at options are Volcengine's)")
     emulate.add_argument("--listen", default="127.0.0.1:9000", help="HOST:PORT (default "
                          "127.0.0.1:9000)")
     # The emulator's own keys, never the real VOLCENGINE_* variables: the command prints

@@ -148,3 +148,40 @@ def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: in
     assert [line.split()[0] for line in skipped] == ["azure", "gcp", "volcengine-esi",
                                                      "volcengine-events"]
     assert all("cannot connect" in line for line in skipped)
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_emulate_another_cloud_prints_lines_that_work_as_pasted(cloud: str) -> None:
+    """The printed serve line reaches the emulator, and the printed curl raises a notice
+    that the daemon then serves."""
+    import re
+    import shlex
+    import urllib.request
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "emulate", "--cloud", cloud,
+         "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        lines = []
+        for line in process.stdout:
+            lines.append(line.strip())
+            if line.startswith("Ctrl-C"):
+                break
+        serve = next(line for line in lines if line.startswith("esi-sidecar serve"))
+        curl = next(line for line in lines if line.startswith("Raise a notice:"))
+        words = shlex.split(serve)[2:]
+        options = dict(zip(words[::2], words[1::2]))
+        setting = {"aws": "aws_imds_url", "gcp": "gcp_metadata_url",
+                   "azure": "azure_metadata_url"}[cloud]
+        with serve_daemon(sources=(options["--source"],),
+                          **{setting: options[f"--{setting.replace('_', '-')}"]}) as daemon:
+            wait_for(lambda: daemon.store.health().ok, timeout=10)
+            url, body = re.search(r"curl -X POST (\S+) -d '(.*)'", curl).groups()  # type: ignore[union-attr]
+            request = urllib.request.Request(url, data=body.encode(), method="POST")
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                assert answer.status == 200
+            wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["expires_at"], timeout=10)
+    finally:
+        process.terminate()
+        process.wait(10)
