@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.metadata_http import clip, probe_failure
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     KIND_MAINTENANCE,
@@ -89,7 +90,7 @@ class AwsSource:
         notices = []
         if spot is not None:
             notices.append(Notice(KIND_PREEMPTION, _spot_time(spot),
-                                  detail=f"spot {_clip(str(spot.get('action', '?')), 20)}"))
+                                  detail=f"spot {clip(str(spot.get('action', '?')), 20)}"))
         if maintenance is not None:
             notices.extend(_maintenance_notices(maintenance))
         rebalance = self._rebalance()
@@ -116,7 +117,7 @@ class AwsSource:
         if text is None:
             return None
         return Notice(KIND_REBALANCE, None, advisory=True,
-                      detail=f"rebalance recommended at {_clip(text, 40)}")
+                      detail=f"rebalance recommended at {clip(text, 40)}")
 
     # ------------------------------------------------------------------ HTTP
 
@@ -130,7 +131,7 @@ class AwsSource:
         try:
             return json.loads(body)
         except ValueError:
-            raise SourceError(f"IMDS {what}: not JSON: {_clip(body)}") from None
+            raise SourceError(f"IMDS {what}: not JSON: {clip(body)}") from None
 
     def _get(self, path: str) -> tuple[int, str]:
         """GET with the session token; a 401 fetches a new token and tries once more."""
@@ -184,7 +185,7 @@ class AwsSource:
 
 def _spot_time(notice: Any) -> float:
     if not isinstance(notice, dict) or "time" not in notice:
-        raise SourceError(f"IMDS spot instance-action without a time: {_clip(notice)}")
+        raise SourceError(f"IMDS spot instance-action without a time: {clip(notice)}")
     try:
         return parse_timestamp(notice["time"]).unix
     except TimestampError as exc:
@@ -193,14 +194,14 @@ def _spot_time(notice: Any) -> float:
 
 def _maintenance_notices(events: Any) -> list[Notice]:
     if not isinstance(events, list):
-        raise SourceError(f"IMDS scheduled maintenance is not a list: {_clip(events)}")
+        raise SourceError(f"IMDS scheduled maintenance is not a list: {clip(events)}")
     notices = []
     for event in events:
         if not isinstance(event, dict):
-            raise SourceError(f"IMDS scheduled maintenance event: {_clip(event)}")
+            raise SourceError(f"IMDS scheduled maintenance event: {clip(event)}")
         if str(event.get("State", "")).lower() in _DONE_STATES:
             continue
-        code = _clip(str(event.get("Code", "maintenance")), 40)
+        code = clip(str(event.get("Code", "maintenance")), 40)
         try:
             when = parse_http_date(str(event.get("NotBefore", ""))).unix
         except TimestampError as exc:
@@ -208,10 +209,6 @@ def _maintenance_notices(events: Any) -> list[Notice]:
         notices.append(Notice(KIND_MAINTENANCE, when, detail=code))
     return notices
 
-
-def _clip(value: Any, limit: int = 120) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def probe(settings: Any, timeout: float) -> Optional[str]:
@@ -230,17 +227,10 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
                 return None
         return f"no EC2 metadata service at {url} (token request: HTTP {response.status})"
     except urllib3.exceptions.HTTPError as exc:
-        return f"no EC2 metadata service at {url} ({_probe_failure(exc, timeout)})"
+        return f"no EC2 metadata service at {url} ({probe_failure(exc, timeout)})"
     finally:
         http.clear()
 
-
-def _probe_failure(exc: Exception, timeout: float) -> str:
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return "cannot connect"
-    if isinstance(exc, urllib3.exceptions.TimeoutError):
-        return f"no answer within {timeout:g} s"
-    return type(exc).__name__
 
 
 def from_settings(settings: Any) -> AwsSource:

@@ -43,6 +43,7 @@ from urllib.parse import urlencode
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.metadata_http import clip, probe_failure
 from sidecar.models import (
     DEFAULT_AZURE_METADATA_URL,
     KIND_MAINTENANCE,
@@ -168,7 +169,7 @@ class AzureSource:
             log.warning("Azure scheduled event %s %s (%s) for this VM", event.event_type,
                         event.event_id, event.status)
         deadline = seen.deadline(event, now)
-        detail = _clip(f"{event.event_type} {event.event_id}", 80)
+        detail = clip(f"{event.event_type} {event.event_id}", 80)
         if event.event_type in ADVISORY_TYPES:
             return Notice(KIND_MAINTENANCE, deadline, advisory=True, detail=detail)
         # A type Azure adds later is taken as a deadline: something will happen to the VM.
@@ -212,7 +213,7 @@ class AzureSource:
         with self._lock:
             unknown = [event_id for event_id in ids if event_id not in self._seen]
         if unknown:
-            raise SourceError(f"not an event of this VM: {_clip(', '.join(unknown))}")
+            raise SourceError(f"not an event of this VM: {clip(', '.join(unknown))}")
         body = json.dumps({"StartRequests": [{"EventId": event_id} for event_id in ids]})
         response = self._request("POST", SCHEDULED_EVENTS_PATH, _events_query(), self._timeout,
                                  body=body.encode(), content_type="application/json")
@@ -240,7 +241,7 @@ class AzureSource:
         try:
             return json.loads(body)
         except ValueError:
-            raise SourceError(f"IMDS scheduled events: not JSON: {_clip(body)}") from None
+            raise SourceError(f"IMDS scheduled events: not JSON: {clip(body)}") from None
 
     def _get_text(self, path: str) -> tuple[int, str]:
         query = {"api-version": INSTANCE_API_VERSION, "format": "text"}
@@ -281,27 +282,27 @@ def _parse_document(document: Any) -> list[_Event]:
     """Every event of the document, checked before any is used: a bad one fails the poll
     and the last good answer is kept."""
     if not isinstance(document, dict) or not isinstance(document.get("Events"), list):
-        raise SourceError(f"IMDS scheduled events: no Events list in {_clip(document)}")
+        raise SourceError(f"IMDS scheduled events: no Events list in {clip(document)}")
     return [_parse_event(event) for event in document["Events"]]
 
 
 def _parse_event(event: Any) -> _Event:
     if not isinstance(event, dict) or not isinstance(event.get("EventId"), str):
-        raise SourceError(f"IMDS scheduled event without an EventId: {_clip(event)}")
-    event_id = _clip(event["EventId"], 60)
+        raise SourceError(f"IMDS scheduled event without an EventId: {clip(event)}")
+    event_id = clip(event["EventId"], 60)
     event_type = event.get("EventType")
     resources = event.get("Resources")
     if not isinstance(event_type, str) or not isinstance(resources, list) or not all(
         isinstance(resource, str) for resource in resources
     ):
         raise SourceError(f"IMDS scheduled event {event_id}: EventType or Resources "
-                          f"missing: {_clip(event)}")
+                          f"missing: {clip(event)}")
     status = str(event.get("EventStatus", ""))
     text = event.get("NotBefore") or ""
     try:
         not_before = parse_http_date(text).unix if text else None
     except TimestampError as exc:
-        raise SourceError(f"IMDS scheduled event {_clip(event_type, 20)} {event_id}: "
+        raise SourceError(f"IMDS scheduled event {clip(event_type, 20)} {event_id}: "
                           f"NotBefore: {exc}") from None
     return _Event(event_id, event_type, status, not_before, tuple(resources))
 
@@ -312,13 +313,8 @@ def _error_of(body: str) -> str:
         error = json.loads(body).get("error")
     except (ValueError, AttributeError):
         error = None
-    return _clip(error if isinstance(error, str) else body.strip() or "(empty body)")
+    return clip(error if isinstance(error, str) else body.strip() or "(empty body)")
 
-
-def _clip(value: Any, limit: int = 120) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    text = " ".join(text.split())  # one line
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def probe(settings: Any, timeout: float) -> Optional[str]:
@@ -334,17 +330,10 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
             return None
         return f"no Azure metadata service at {url} (compute name: HTTP {response.status})"
     except urllib3.exceptions.HTTPError as exc:
-        return f"no Azure metadata service at {url} ({_probe_failure(exc, timeout)})"
+        return f"no Azure metadata service at {url} ({probe_failure(exc, timeout)})"
     finally:
         http.clear()
 
-
-def _probe_failure(exc: Exception, timeout: float) -> str:
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return "cannot connect"
-    if isinstance(exc, urllib3.exceptions.TimeoutError):
-        return f"no answer within {timeout:g} s"
-    return type(exc).__name__
 
 
 def from_settings(settings: Any) -> AzureSource:

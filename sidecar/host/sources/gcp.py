@@ -58,6 +58,7 @@ from typing import Any, Callable, NoReturn, Optional
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError, where
+from sidecar.host.sources.metadata_http import clip, probe_failure
 from sidecar.models import (
     DEFAULT_GCP_METADATA_URL,
     KIND_MAINTENANCE,
@@ -165,7 +166,7 @@ class GcpSource:
             self._preemption_at = None
             return None
         if value != "TRUE":
-            self._refuse(self._preempted, f"expected TRUE or FALSE, got {_clip(value)!r}")
+            self._refuse(self._preempted, f"expected TRUE or FALSE, got {clip(value)!r}")
         if self._preemption_at is None:
             self._preemption_at = seen_at + self._preemption_notice
         return Notice(KIND_PREEMPTION, self._preemption_at, detail="preempted")
@@ -173,7 +174,7 @@ class GcpSource:
     def _maintenance_notice(self) -> Optional[Notice]:
         event, seen_at = self._current(self._maintenance)
         if event not in ("NONE", MIGRATE, TERMINATE):
-            self._refuse(self._maintenance, f"unknown event {_clip(event)!r}")
+            self._refuse(self._maintenance, f"unknown event {clip(event)!r}")
         if event == MIGRATE and self._event_seen != MIGRATE:
             log.warning("GCE host maintenance: this VM will be live-migrated (%s); it keeps "
                         "running, no deadline", MIGRATE)
@@ -324,7 +325,7 @@ class GcpSource:
         flavor = response.headers.get("Metadata-Flavor")
         if response.status == 200 and flavor != "Google":  # a proxy's or a portal's page
             shown = "no Metadata-Flavor header" if flavor is None else (
-                f"Metadata-Flavor: {_clip(flavor, 40)}")
+                f"Metadata-Flavor: {clip(flavor, 40)}")
             raise SourceError(f"{place}: the answer has {shown}, not Metadata-Flavor: "
                               "Google: not GCE's metadata server")
         return response
@@ -348,12 +349,12 @@ def _window_start(body: str) -> Optional[float]:
     try:
         window = json.loads(body)
     except ValueError:
-        raise SourceError(f"GCE metadata {UPCOMING_KEY}: not JSON: {_clip(body)}") from None
+        raise SourceError(f"GCE metadata {UPCOMING_KEY}: not JSON: {clip(body)}") from None
     if isinstance(window, dict) and len(window) == 1:
         inner = next(iter(window.values()))
         window = inner if isinstance(inner, dict) else window  # {"Upcoming maintenance": {}}
     if not isinstance(window, dict):
-        raise SourceError(f"GCE metadata {UPCOMING_KEY}: not an object: {_clip(body)}")
+        raise SourceError(f"GCE metadata {UPCOMING_KEY}: not an object: {clip(body)}")
     status = str(window.get("maintenance_status", window.get("maintenanceStatus", "")))
     if not window or "error" in window or status.upper().startswith("COMPLETE"):
         return None  # nothing announced ("no notifications have been received yet")
@@ -382,11 +383,6 @@ def _text(response: Any) -> str:
     return str(response.data.decode("utf-8", "replace").strip())
 
 
-def _clip(value: Any, limit: int = 80) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
 
 def long_poll_seconds_for(stale_after_seconds: float) -> int:
     """The long poll's timeout_sec: 20 s, or a quarter of the staleness bound when that is
@@ -402,7 +398,7 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
     try:
         response = http.request("GET", url + PREFIX + ID_KEY, headers=FLAVOR, redirect=False)
     except urllib3.exceptions.HTTPError as exc:
-        return f"no GCE metadata server at {url} ({_probe_failure(exc, timeout)})"
+        return f"no GCE metadata server at {url} ({probe_failure(exc, timeout)})"
     finally:
         http.clear()
     if response.headers.get("Metadata-Flavor") == "Google":
@@ -410,13 +406,6 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
     return (f"no GCE metadata server at {url} (HTTP {response.status} without "
             "Metadata-Flavor: Google)")
 
-
-def _probe_failure(exc: Exception, timeout: float) -> str:
-    if isinstance(exc, urllib3.exceptions.NewConnectionError):
-        return "cannot connect"
-    if isinstance(exc, urllib3.exceptions.TimeoutError):
-        return f"no answer within {timeout:g} s"
-    return type(exc).__name__
 
 
 def from_settings(settings: Any) -> GcpSource:
