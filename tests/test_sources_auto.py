@@ -5,6 +5,7 @@ services are emulators or dead ports on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -186,3 +187,32 @@ def _import_allowance() -> float:
     started = time.monotonic()
     subprocess.run([sys.executable, "-c", "import sidecar.host.daemon"], check=True)
     return time.monotonic() - started
+
+
+@pytest.mark.parametrize("fault", ["unparsable", "in the past", "hang", "garbage"])
+def test_a_bad_or_silent_metadata_service_never_hides_another_sources_deadline(
+        fault: str) -> None:
+    deadline = int(time.time()) + 3600
+    with AwsImdsEmulator() as imds, serve_daemon(
+            sources=("aws", "static"), aws_imds_url=imds.url,
+            expires_at=str(deadline)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        if fault == "unparsable":
+            imds.set_raw("instance-action", '{"action": "terminate", "time": "soon"}')
+        elif fault == "in the past":
+            imds.interrupt(time.time() - 600)
+        elif fault == "hang":
+            imds.fail("hang", count=1000, seconds=3.0)
+        else:
+            imds.fail("malformed", count=1000)
+        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["error"], timeout=10)
+        body = get_json(daemon.url + "/v1/expiry")[1]
+        status, health = get_json(daemon.url + "/healthz")
+        imds.clear_faults()
+    assert body["expires_at_unix"] == deadline and body["source"] == "static"
+    assert body["error"].startswith("aws: ")
+    expected = {"unparsable": "soon", "in the past": r"passed 60\d s ago",
+                "hang": "no answer within 1 s", "garbage": "not JSON"}[fault]
+    assert re.search(expected, body["error"]), body["error"]
+    if fault == "in the past":  # the source answers; the deadline it gives is wrong
+        assert status == 503 and "passed" in health["reason"]

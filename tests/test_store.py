@@ -98,3 +98,58 @@ def test_record_success_reports_change() -> None:
     assert store.record_success("s", obs(RELEASE)) is True
     assert store.record_success("s", obs(RELEASE)) is False
     assert store.record_success("s", obs(RELEASE - 1)) is True
+
+
+def test_a_deadline_long_past_is_reported_not_served_and_a_good_one_wins() -> None:
+    from sidecar.models import KIND_MAINTENANCE, KIND_PREEMPTION, Notice, observation_from_notices
+
+    store = Store(["aws", "volcengine-esi"], stale_after=90)
+    now = RELEASE
+    spot = Notice(KIND_PREEMPTION, now - 300, detail="spot terminate")  # 5 min ago
+    maintenance = Notice(KIND_MAINTENANCE, now + 3600, detail="system-reboot")
+    store.record_success("aws", observation_from_notices([spot, maintenance]), at=now)
+    store.record_success("volcengine-esi", obs(now + 7200), at=now)
+    expiry = store.expiry(now=now)
+    assert expiry.expires_at_unix == now + 3600 and expiry.kind == KIND_MAINTENANCE
+    assert expiry.error is not None and expiry.error.startswith("aws: preemption-notice")
+    assert "passed 300 s ago" in expiry.error
+    health = store.health(now=now)
+    assert health.status == "degraded" and "spot terminate" in (health.reason or "")
+    # every notice is still listed, the past one with its negative time left
+    assert [n["remaining_seconds"] for n in expiry.notices] == [-300, 3600, 7200]
+
+
+def test_a_deadline_that_just_passed_is_still_served() -> None:
+    store = Store(["volcengine-esi"], stale_after=90)
+    store.record_success("volcengine-esi", obs(RELEASE), at=RELEASE + 30)
+    expiry = store.expiry(now=RELEASE + 30)
+    assert expiry.remaining_seconds == -30 and expiry.error is None
+    assert store.health(now=RELEASE + 30).ok
+
+
+def test_notices_list_every_source_the_earliest_first_and_advice_last() -> None:
+    from sidecar.models import KIND_REBALANCE, Notice, observation_from_notices
+
+    store = Store(["aws", "volcengine-esi", "static"], stale_after=90)
+    advice = Notice(KIND_REBALANCE, None, advisory=True, detail="rebalance recommended")
+    store.record_success("aws", observation_from_notices([advice]), at=RELEASE - 310)
+    store.record_success("volcengine-esi", obs(RELEASE), at=RELEASE - 310)
+    store.record_success("static", obs(RELEASE - 100), at=RELEASE - 500)
+    expiry = store.expiry(now=RELEASE - 300)
+    assert [(n["source"], n["advisory"]) for n in expiry.notices] == [
+        ("static", False), ("volcengine-esi", False), ("aws", True)]
+    assert expiry.source == "static"
+    first = expiry.notices[0]
+    assert first["expires_at"] == "2033-05-18T03:31:40Z" and first["remaining_seconds"] == 200
+    assert first["observed_at"] == "2033-05-18T03:25:00Z" and first["stale"] is True
+    assert expiry.notices[1]["stale"] is False
+    assert expiry.notices[2]["expires_at"] is None
+
+
+def test_a_source_auto_did_not_find_counts_for_nothing() -> None:
+    store = Store(["aws", "static"], stale_after=90)
+    store.record_absent("aws", "no EC2 metadata service at http://169.254.169.254")
+    store.record_success("static", obs(RELEASE), at=RELEASE - 10)
+    assert store.health(now=RELEASE - 10).ok
+    expiry = store.expiry(now=RELEASE - 10)
+    assert expiry.stale is False and expiry.error is None and expiry.source == "static"

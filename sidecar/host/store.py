@@ -167,29 +167,27 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
     found absent count for nothing.
     """
     present = snapshot.present
-    deadlines = [
-        (status.observation.expires_at_unix, status)
-        for status in present
-        if status.observation is not None and status.observation.expires_at_unix is not None
-    ]
-    chosen = min(deadlines, key=lambda pair: pair[0], default=(None, None))[1]
+    good, past = _deadlines(present, now)
+    chosen_notice, chosen = min(good, key=lambda pair: pair[0].expires_at_unix or 0.0,
+                                default=(None, None))
     observed = [s.observed_at_unix for s in present if s.observed_at_unix is not None]
     observed_at = min(observed) if observed and len(observed) == len(present) else None
-    errors = [s for s in present if s.error]
-    if len(snapshot.sources) == 1:
-        error = errors[0].error if errors else None
+    errors = [(s.name, s.error) for s in present if s.error]
+    errors += [(status.name, _passed(notice, now)) for notice, status in past]
+    if len(snapshot.sources) == 1 and errors:
+        error: Optional[str] = "; ".join(message for _, message in errors)
     else:
-        error = "; ".join(f"{s.name}: {s.error}" for s in errors) or None
+        error = "; ".join(f"{name}: {message}" for name, message in errors) or None
     stale = not all(s.is_fresh(now, snapshot.stale_after) for s in present)
     # Identity fields come from the source that gave the deadline, else from any that knows.
     identity = chosen or next((s for s in present if s.observation), None)
     observation = identity.observation if identity else None
-    deadline = chosen.observation.expires_at_unix if chosen and chosen.observation else None
+    deadline = chosen_notice.expires_at_unix if chosen_notice else None
     return Expiry(
         expires_at=format_rfc3339(deadline) if deadline is not None else None,
         expires_at_unix=deadline,
         remaining_seconds=None if deadline is None else deadline - now,
-        kind=chosen.observation.kind if chosen and chosen.observation else None,
+        kind=chosen_notice.kind if chosen_notice else None,
         source=chosen.name if chosen else (identity.name if identity else None),
         instance_id=observation.instance_id if observation else None,
         scheduled_instance_id=observation.scheduled_instance_id if observation else None,
@@ -205,21 +203,54 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
     )
 
 
+# A deadline this far in the past is not served: the machine should be gone, so the
+# source (or the clock) is wrong, and a later good deadline must not hide behind it. It is
+# reported in ``error`` and makes /healthz degraded. Within the grace it is still served:
+# a release that just came, while the platform takes its time.
+PAST_GRACE_SECONDS = 120.0
+
+
+def _notices_of(status: SourceStatus) -> tuple[Notice, ...]:
+    """A source's notices; one from its deadline when it lists none."""
+    observation = status.observation
+    if observation is None:
+        return ()
+    if observation.notices:
+        return observation.notices
+    if observation.expires_at_unix is None:
+        return ()
+    return (Notice(observation.kind or "deadline", observation.expires_at_unix),)
+
+
+def _deadlines(sources: Sequence[SourceStatus], now: float) -> tuple[
+        list[tuple[Notice, SourceStatus]], list[tuple[Notice, SourceStatus]]]:
+    """(deadlines to choose from, deadlines long past) over every source's notices."""
+    good: list[tuple[Notice, SourceStatus]] = []
+    past: list[tuple[Notice, SourceStatus]] = []
+    for status in sources:
+        for notice in _notices_of(status):
+            if notice.advisory or notice.expires_at_unix is None:
+                continue
+            late = notice.expires_at_unix < now - PAST_GRACE_SECONDS
+            (past if late else good).append((notice, status))
+    return good, past
+
+
+def _passed(notice: Notice, now: float) -> str:
+    assert notice.expires_at_unix is not None
+    ago = now - notice.expires_at_unix
+    what = f"{notice.kind} ({notice.detail})" if notice.detail else notice.kind
+    return (f"{what} at {format_rfc3339(notice.expires_at_unix)} passed {ago:.0f} s ago "
+            "and this machine still runs: not served")
+
+
 def build_notices(sources: Sequence[SourceStatus], now: float,
                   stale_after: float) -> tuple[dict[str, Any], ...]:
     """Every notice of every source, the earliest deadline first, advice last: what the
     ``notices`` field of ``/v1/expiry`` lists. A source that lists none contributes its
     deadline as its one notice."""
-    notices = []
-    for status in sources:
-        observation = status.observation
-        if observation is None:
-            continue
-        listed = observation.notices
-        if not listed and observation.expires_at_unix is not None:
-            listed = (Notice(observation.kind or "deadline", observation.expires_at_unix),)
-        for notice in listed:
-            notices.append(_notice_json(status, notice, now, stale_after))
+    notices = [_notice_json(status, notice, now, stale_after)
+               for status in sources for notice in _notices_of(status)]
     notices.sort(key=lambda n: (n["advisory"], n["expires_at_unix"] is None,
                                 n["expires_at_unix"] or 0.0, n["source"]))
     return tuple(notices)
@@ -243,8 +274,9 @@ def _notice_json(status: SourceStatus, notice: Notice, now: float,
 
 
 def build_health(snapshot: Snapshot, now: float) -> Health:
-    """ok: every source has a fresh success. starting: some source has not answered yet
-    and the staleness bound since start-up has not passed. degraded: anything else."""
+    """ok: every source has a fresh success and no deadline is long past. starting: some
+    source has not answered yet and the staleness bound since start-up has not passed.
+    degraded: anything else."""
     for status in snapshot.present:
         if status.is_fresh(now, snapshot.stale_after):
             continue
@@ -257,4 +289,8 @@ def build_health(snapshot: Snapshot, now: float) -> Health:
         since = f"for {age:.0f} s" if age is not None and not status.restored else "since start"
         detail = f": {status.error}" if status.error else ""
         return Health("degraded", f"{status.name}: no successful poll {since}{detail}")
+    past = _deadlines(snapshot.present, now)[1]
+    if past:
+        notice, status = past[0]
+        return Health("degraded", f"{status.name}: {_passed(notice, now)}")
     return Health("ok", None)
