@@ -37,6 +37,7 @@ def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
     """The loop to copy. Returns the next step to run."""
     found = latest_valid(root)  # None on the first run
     step = model.load(found.path) + 1 if found is not None else 0
+    logging.info("training steps %d to %d", step, steps - 1)
     while step < steps:
         with guard.step():  # times the step: the policy's T_max_step
             model.train_step()

@@ -142,11 +142,19 @@ def test_the_plain_example_saves_and_exits_75_on_sigterm(tmp_path: Path) -> None
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        time.sleep(3.0)  # imports done, training steps running
+        assert process.stderr is not None
+        first = ""
+        for _ in range(50):  # imports done once the loop says where it starts
+            first += process.stderr.readline()
+            if "training steps 0 to" in first or process.poll() is not None:
+                break
+        assert "training steps 0 to" in first, first
+        time.sleep(0.5)  # training steps running
         assert process.poll() is None, process.communicate()
         sent = time.monotonic()
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=30)
+        err = first + err
         took = time.monotonic() - sent
     finally:
         if process.poll() is None:
