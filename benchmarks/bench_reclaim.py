@@ -155,7 +155,7 @@ def main(quick: bool = False) -> dict[str, Any]:
                   f"should_save in median {_seconds(median(saved))} s", flush=True)
     return {
         "title": "Reclaim notices: emulator -> daemon -> should_save()",
-        "description": (__doc__ or "").split("\n\n", 1)[1].strip().replace("\n", " "),
+        "description": " ".join((__doc__ or "").split("\n\n")[2].split()),
         "tables": [{
             "title": "Seconds from the notice raised to ...",
             "columns": ["source", "notice", "poll period", "trials", "served median s",
