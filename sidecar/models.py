@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 __all__ = [
@@ -148,8 +148,10 @@ class Expiry:
     notices: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["notices"] = list(self.notices)
+        # Not asdict(): its deep copy costs more than the rest of a /v1/expiry answer, and
+        # every field but notices is immutable already.
+        body = {name: getattr(self, name) for name in _EXPIRY_FIELDS}
+        body["notices"] = [dict(notice) for notice in self.notices]
         return body
 
     @classmethod
@@ -176,6 +178,9 @@ class Expiry:
             upload_status=_text(body, "upload_status"),
             notices=_notices(body),
         )
+
+
+_EXPIRY_FIELDS = tuple(field.name for field in fields(Expiry))
 
 
 def _notices(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -17,6 +17,7 @@ Accepted:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -162,10 +163,19 @@ def parse_timestamp(
 def format_rfc3339(when: Union[datetime, float]) -> str:
     """An aware datetime or Unix seconds -> ``2026-11-29T14:00:00Z`` (fraction if any)."""
     if not isinstance(when, datetime):
-        when = datetime.fromtimestamp(when, tz=timezone.utc)
-    elif when.tzinfo is None:
+        return _format_unix(float(when))
+    if when.tzinfo is None:
         raise ValueError("naive datetime: refusing to guess its time zone")
-    when = when.astimezone(timezone.utc)
+    return _format_utc(when.astimezone(timezone.utc))
+
+
+@functools.lru_cache(maxsize=256)
+def _format_unix(when: float) -> str:
+    # Cached: the daemon formats the same few deadlines and poll times on every request.
+    return _format_utc(datetime.fromtimestamp(when, tz=timezone.utc))
+
+
+def _format_utc(when: datetime) -> str:
     text = when.strftime("%Y-%m-%dT%H:%M:%S")
     if when.microsecond:
         text += f".{when.microsecond:06d}".rstrip("0")
