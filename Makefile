@@ -6,6 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SERVER := $(VENV)/.installed-server
 ALL    := $(VENV)/.installed-all
+VERL   := $(VENV)/.installed-verl
+# The verl releases the tests run against (tests/test_integration_verl_wheels.py).
+VERL_VERSIONS := 0.9.1 0.8.0
 
 .PHONY: demo test lint bench clean
 
@@ -22,13 +25,24 @@ $(ALL): $(SERVER)
 	$(BIN)/python -m pip install --quiet -e ".[server,upload,test,frameworks,simulate,dev]"
 	touch $(ALL)
 
+# The real verl wheels, without their GPU stack: ray and the light packages its trainer
+# modules import (tests/verl/requirements.txt), each verl release in a folder of its own.
+$(VERL): $(ALL) tests/verl/requirements.txt
+	$(BIN)/python -m pip install --quiet "ray==2.60.0"
+	$(BIN)/python -m pip install --quiet --no-deps -r tests/verl/requirements.txt
+	for version in $(VERL_VERSIONS); do \
+	  $(BIN)/python -m pip install --quiet --no-deps --upgrade \
+	    --target $(VENV)/verl/$$version "verl==$$version" || exit 1; \
+	done
+	touch $(VERL)
+
 demo: $(SERVER)
 	$(BIN)/esi-sidecar demo
 
-test: $(ALL)
+test: $(ALL) $(VERL)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
-lint: $(ALL)
+lint: $(ALL) $(VERL)
 	$(BIN)/ruff check sidecar tests benchmarks examples
 	$(BIN)/mypy
 

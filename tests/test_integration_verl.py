@@ -1,20 +1,16 @@
 """The verl drop-in: verl's signature and rule, the daemon first, env second, never stalls.
 
-verl is not installed here (it pulls in ray, vllm, ...). Its function is mirrored by
-signature; ``install()`` is tested against a stand-in package shaped like verl's two
-modules (checkpoint_manager defines the function, ray_trainer imports it by name), which
-is exactly what the patching depends on.
+The function on its own, in this process; against the real verl releases (signature,
+call sites, install() in both import orders, the V1 loop) see
+tests/test_integration_verl_wheels.py.
 """
 
 from __future__ import annotations
 
 import inspect
 import socket
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -244,69 +240,7 @@ def test_cached_between_refreshes() -> None:
 
 
 # ---------------------------------------------------------------------------- install()
-
-CHECKPOINT_MANAGER = '''
-def should_save_ckpt_esi(max_steps_duration, save_ckpt_duration=60, redundant_time=0):
-    return "verl's own"
-'''
-
-RAY_TRAINER = '''
-from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
-
-
-def esi_close_to_expiration(max_steps_duration, esi_redundant_time):
-    return should_save_ckpt_esi(
-        max_steps_duration=max_steps_duration, redundant_time=esi_redundant_time
-    )
-'''
-
-
-@pytest.fixture
-def stand_in_verl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    files = {
-        "verl/__init__.py": "",
-        "verl/utils/__init__.py": "",
-        "verl/utils/checkpoint/__init__.py": "",
-        "verl/utils/checkpoint/checkpoint_manager.py": CHECKPOINT_MANAGER,
-        "verl/trainer/__init__.py": "",
-        "verl/trainer/ppo/__init__.py": "",
-        "verl/trainer/ppo/ray_trainer.py": RAY_TRAINER,
-    }
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
-        del sys.modules[name]
-
-
-def test_install_before_verl_is_imported(stand_in_verl: Path) -> None:
-    """The Ray worker_process_setup_hook case: install() runs before verl is imported."""
-    configure(closed_port_url(), environ={MLP: str(int(time.time() + 30))})
-    esi_verl.install()
-    esi_verl.install()  # idempotent
-    from verl.trainer.ppo import ray_trainer  # type: ignore[import-not-found]
-    from verl.utils.checkpoint import checkpoint_manager  # type: ignore[import-not-found]
-
-    assert checkpoint_manager.should_save_ckpt_esi is should_save_ckpt_esi
-    assert ray_trainer.should_save_ckpt_esi is should_save_ckpt_esi
-    assert ray_trainer.esi_close_to_expiration(10, 0) is True
-
-
-def test_install_after_verl_is_imported(stand_in_verl: Path) -> None:
-    configure(closed_port_url(), environ={MLP: str(int(time.time() + 30))})
-    from verl.trainer.ppo import ray_trainer
-    from verl.utils.checkpoint import checkpoint_manager
-
-    assert ray_trainer.esi_close_to_expiration(10, 0) == "verl's own"
-    esi_verl.install()
-    assert checkpoint_manager.should_save_ckpt_esi is should_save_ckpt_esi
-    assert ray_trainer.esi_close_to_expiration(10, 0) is True
-    esi_verl.uninstall()
-    assert ray_trainer.esi_close_to_expiration(10, 0) == "verl's own"
-    assert checkpoint_manager.should_save_ckpt_esi(1) == "verl's own"
+# install()/uninstall() against the real verl releases: tests/test_integration_verl_wheels.py
 
 
 def test_install_is_importable_by_dotted_path() -> None:

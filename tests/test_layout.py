@@ -23,6 +23,7 @@ FRAMEWORKS = {
     "sidecar.integrations.lightning": {"torch", "lightning", "pytorch_lightning"},
     "sidecar.integrations.transformers": {"torch", "transformers"},
     "sidecar.integrations.verl": {"verl", "ray"},
+    "sidecar.integrations.verl_trainer": {"verl"},
 }
 SHARED = ("sidecar.models", "sidecar.timeparse")
 HOST_SOURCE_NEEDS = ("sidecar.host.sources", *SHARED)

@@ -17,14 +17,17 @@ machine nothing sets them: the release time is only known to the cloud's API, wh
 daemon polls. This function keeps verl's signature and rule and takes the deadline from
 the daemon, then from those same variables (seconds, milliseconds or RFC 3339).
 
-Switching is one call, :func:`install`, in the process that runs verl's trainer (verl's
-``TaskRunner`` is a Ray actor, so pass it as Ray's ``worker_process_setup_hook``); see
-docs/integrations.md.
+Switching is one call, :func:`install`, in the process that runs verl's trainer
+(verl's ``TaskRunner`` is a Ray actor, so pass it as Ray's ``worker_process_setup_hook``);
+on verl 0.9's V1 trainer, which never calls this function, it also wraps the trainer's
+step (``sidecar.integrations.verl_trainer``); see docs/integrations.md.
 
 Behaviour kept from verl, on purpose, so that it is a drop-in: the answer is stateless
 and stays True at every step inside the window (verl then saves at each of those steps,
 as it does today), and False while ``max_steps_duration`` is 0 (before verl measured a
-step). For save-once-then-stop, use :class:`sidecar.train.guard.CheckpointGuard`.
+step): verl's rule for ``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``. Its
+``SAGEMAKER_...`` branch also says True after the deadline and with no step measured; this
+function does not (a save that starts after the release is lost).
 
 verl's single controller decides for every node, so point ``ESI_SIDECAR_URL`` at every
 node's daemon (comma-separated): the earliest deadline wins, and a node whose daemon stops
@@ -153,8 +156,17 @@ def should_save_ckpt_esi(
 
 # ---------------------------------------------------------------------------- install
 
-# (module, attribute value before we replaced it), for uninstall().
+# verl's V1 trainer (0.9+): PPOTrainer.step is wrapped (sidecar.integrations.verl_trainer).
+V1_MODULE = "verl.trainer.ppo.v1.trainer_base"
+V1_CLASS = "PPOTrainer"
+# verl <= 0.5 has no ray_kwargs in its config: the TaskRunner's Ray runtime_env is fixed,
+# so install() cannot reach the process that runs the trainer.
+FIRST_SUPPORTED = (0, 6)
+
+# (module, verl's function) and the V1 classes we wrapped, for uninstall().
 _replaced: list[tuple[types.ModuleType, Any]] = []
+_wrapped_classes: list[type] = []
+_install_lock = threading.RLock()
 
 
 def _is_verl_original(value: Any) -> bool:
@@ -176,16 +188,47 @@ def _patch_module(module: types.ModuleType) -> bool:
     return True
 
 
+def _patch_v1(module: types.ModuleType) -> bool:
+    """Wrap ``PPOTrainer.step`` of verl's V1 trainer; False when already done. A verl
+    whose V1 module has no such method is said so, once, loudly."""
+    from sidecar.integrations.verl_trainer import wrap_step
+
+    trainer = vars(module).get(V1_CLASS)
+    step = vars(trainer).get("step") if isinstance(trainer, type) else None
+    if not callable(step):
+        logger.error("verl %s: %s.%s.step not found: the V1 trainer is NOT guarded "
+                     "(a verl release moved its loop; please report it)",
+                     _verl_version_text(), V1_MODULE, V1_CLASS)
+        return False
+    wrapped = wrap_step(step)
+    if wrapped is step:
+        return False
+    assert isinstance(trainer, type)
+    trainer.step = wrapped  # type: ignore[attr-defined]
+    _wrapped_classes.append(trainer)
+    return True
+
+
+def _patch(module: types.ModuleType) -> list[str]:
+    """What was patched in ``module``: the function, the V1 trainer, or nothing."""
+    done = []
+    if _patch_module(module):
+        done.append(f"{module.__name__}.{VERL_FUNCTION}")
+    if module.__name__ == V1_MODULE and _patch_v1(module):
+        done.append(f"{V1_MODULE}.{V1_CLASS}.step")
+    return done
+
+
 def _patch_loaded_modules() -> list[str]:
     patched = []
-    for name, module in list(sys.modules.items()):
-        if isinstance(module, types.ModuleType) and _patch_module(module):
-            patched.append(name)
+    for _name, module in list(sys.modules.items()):
+        if isinstance(module, types.ModuleType):
+            patched.extend(_patch(module))
     return patched
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    """Runs the real loader, then replaces the function in the fresh module."""
+    """Runs the real loader, then patches the fresh module."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self._loader = loader
@@ -195,15 +238,17 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
-        if _patch_module(module):
-            logger.info("replaced %s.%s by the sidecar's", VERL_MODULE, VERL_FUNCTION)
+        with _install_lock:
+            done = _patch(module)
+        if done:
+            logger.info("guarded by the sidecar: %s", ", ".join(done))
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tools
         return getattr(self._loader, name)
 
 
 class _VerlImportHook(importlib.abc.MetaPathFinder):
-    """Patches verl's checkpoint_manager as it is imported.
+    """Patches verl's checkpoint_manager and V1 trainer as they are imported.
 
     Every later ``from verl.utils.checkpoint.checkpoint_manager import
     should_save_ckpt_esi`` (ray_trainer, recipes) then binds ours: this is what lets
@@ -216,7 +261,7 @@ class _VerlImportHook(importlib.abc.MetaPathFinder):
         path: Optional[Sequence[str]],
         target: Optional[types.ModuleType] = None,
     ) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != VERL_MODULE:
+        if fullname not in (VERL_MODULE, V1_MODULE):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -229,26 +274,67 @@ class _VerlImportHook(importlib.abc.MetaPathFinder):
         return None
 
 
-def install() -> None:
-    """Use the sidecar's ``should_save_ckpt_esi`` wherever verl's is (or will be) bound.
+def _verl_version() -> Optional[tuple[int, ...]]:
+    """verl's installed version (from its metadata, without importing it), or None."""
+    import importlib.metadata
+    import re
 
-    Replaces the function in ``verl.utils.checkpoint.checkpoint_manager`` and in every
-    already imported module that imported it by name (``verl.trainer.ppo.ray_trainer``,
-    recipes), and, for verl modules not imported yet, installs an import hook that does
-    the same when they are. Idempotent; cheap and standard library only, so it is fit
-    for Ray's ``worker_process_setup_hook`` (which runs it in every worker process).
+    try:
+        text = importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _verl_version_text() -> str:
+    version = _verl_version()
+    return "(not installed)" if version is None else ".".join(map(str, version))
+
+
+def install() -> bool:
+    """Guard verl's checkpoints with the sidecar, wherever verl is (or will be) loaded.
+
+    - verl 0.9+ V1 trainer (``trainer.use_v1: true``, the default): ``PPOTrainer.step``
+      is wrapped so that a :class:`~sidecar.train.guard.CheckpointGuard` decides when
+      ``_save_checkpoint()`` runs (``sidecar.integrations.verl_trainer``);
+    - the V0 trainer (verl 0.6-0.8, and ``use_v1=false``): ``should_save_ckpt_esi`` is
+      replaced in ``verl.utils.checkpoint.checkpoint_manager`` and in every module that
+      imported it by name (``ray_trainer``, the fully-async and separation trainers).
+
+    Modules not imported yet are patched when they are (an import hook), so this may run
+    before verl is imported, e.g. as Ray's ``worker_process_setup_hook``. verl <= 0.5 is
+    refused with one error line (its Ray ``runtime_env`` cannot carry the hook). Returns
+    True when installed. Idempotent; cheap and standard library only.
     """
-    patched = _patch_loaded_modules()
+    version = _verl_version()
+    if version is not None and version < FIRST_SUPPORTED:
+        logger.error("verl %s is not supported by the sidecar (0.6 or newer is: older "
+                     "versions fix Ray's runtime_env, so no worker_process_setup_hook can "
+                     "reach the trainer); install() changes nothing", _verl_version_text())
+        return False
+    with _install_lock:
+        patched = _patch_loaded_modules()
+        if not any(isinstance(finder, _VerlImportHook) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _VerlImportHook())
     if patched:
-        logger.info("replaced %s in %s by the sidecar's", VERL_FUNCTION, ", ".join(patched))
-    if not any(isinstance(finder, _VerlImportHook) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _VerlImportHook())
+        logger.info("guarded by the sidecar: %s", ", ".join(patched))
+    return True
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: restore verl's function and remove the import hook."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _VerlImportHook)]
-    while _replaced:
-        module, original = _replaced.pop()
-        if vars(module).get(VERL_FUNCTION) is should_save_ckpt_esi:
-            setattr(module, VERL_FUNCTION, original)
+    """Undo :func:`install`: verl's function back wherever ours is bound (also in the
+    modules imported after install), the V1 trainer unwrapped, the import hook gone."""
+    from sidecar.integrations.verl_trainer import unwrap_step
+
+    with _install_lock:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _VerlImportHook)]
+        original = _replaced[0][1] if _replaced else None
+        _replaced.clear()
+        if original is not None:
+            for module in list(sys.modules.values()):
+                if isinstance(module, types.ModuleType) and module.__name__.startswith(
+                        "verl") and vars(module).get(VERL_FUNCTION) is should_save_ckpt_esi:
+                    setattr(module, VERL_FUNCTION, original)
+        while _wrapped_classes:
+            trainer = _wrapped_classes.pop()
+            trainer.step = unwrap_step(vars(trainer)["step"])  # type: ignore[attr-defined]
