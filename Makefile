@@ -26,10 +26,10 @@ $(ALL): $(SERVER)
 	touch $(ALL)
 
 # The real verl wheels, without their GPU stack: ray and the light packages its trainer
-# modules import (tests/verl/requirements.txt), each verl release in a folder of its own.
-$(VERL): $(ALL) tests/verl/requirements.txt
+# modules import (tests/verl_wheels/requirements.txt), each verl release in a folder of its own.
+$(VERL): $(ALL) tests/verl_wheels/requirements.txt
 	$(BIN)/python -m pip install --quiet "ray==2.60.0"
-	$(BIN)/python -m pip install --quiet --no-deps -r tests/verl/requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r tests/verl_wheels/requirements.txt
 	for version in $(VERL_VERSIONS); do \
 	  $(BIN)/python -m pip install --quiet --no-deps --upgrade \
 	    --target $(VENV)/verl/$$version "verl==$$version" || exit 1; \
