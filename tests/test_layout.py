@@ -23,7 +23,8 @@ FRAMEWORKS = {
     "sidecar.integrations.lightning": {"torch", "lightning", "pytorch_lightning"},
     "sidecar.integrations.transformers": {"torch", "transformers"},
     "sidecar.integrations.verl": {"verl", "ray"},
-    "sidecar.integrations.verl_trainer": {"verl"},
+    "sidecar.integrations.verl_trainer": {"verl", "ray"},
+    "sidecar.integrations.ray_nodes": {"ray"},
 }
 SHARED = ("sidecar.models", "sidecar.timeparse")
 HOST_SOURCE_NEEDS = ("sidecar.host.sources", *SHARED)

@@ -23,7 +23,9 @@ After each step the wrapper (one :class:`CheckpointGuard` per trainer, on the dr
   ``on_train_end`` runs) and sets ``trainer.esi_sidecar_released``.
 
 Settings: the daemon at ``$ESI_SIDECAR_URL`` (every node's daemon, comma-separated, for a
-job that spans nodes: the earliest deadline wins); ``trainer.esi_redundant_time`` as the
+job that spans nodes: the earliest deadline wins); without it, in a Ray cluster of several
+nodes, every node's own daemon through a small actor per node
+(``sidecar.integrations.ray_nodes``); ``trainer.esi_redundant_time`` as the
 margin when it is above 0 (verl's default 0 keeps ours, 120 s); ``+trainer.esi_save_seconds``
 (ours) as the save time assumed until a save was measured (default 60 s). The wrapper never raises
 into verl: a failure of its own is logged once and training goes on (a save that fails
@@ -34,8 +36,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 from typing import Any, Callable, Optional
 
+from sidecar.train.client import ENV_URL
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
@@ -58,9 +63,25 @@ def guard_for(trainer: Any) -> CheckpointGuard:
             value = _config_value(trainer, key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 options[option] = float(value)
-        guard = CheckpointGuard(policy=SavePolicy(**options))
+        guard = CheckpointGuard(_cluster_client(), policy=SavePolicy(**options))
         setattr(trainer, GUARD_ATTRIBUTE, guard)
     return guard
+
+
+def _cluster_client() -> Any:
+    """Every node's daemon through Ray (``sidecar.integrations.ray_nodes``) when this
+    process is in a Ray cluster of several nodes and ``ESI_SIDECAR_URL`` does not say
+    otherwise; else None (the guard asks ``$ESI_SIDECAR_URL``, default this host's)."""
+    ray = sys.modules.get("ray")
+    if ENV_URL in os.environ or ray is None or not ray.is_initialized():
+        return None
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if len(alive) < 2:
+        return None
+    from sidecar.integrations.ray_nodes import NodeDeadlines
+
+    logger.info("a Ray cluster of %d nodes: asking every node's daemon", len(alive))
+    return NodeDeadlines()
 
 
 def wrap_step(step: Callable[..., Any]) -> Callable[..., Any]:
