@@ -1058,7 +1058,7 @@ def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
     assert not errors, errors
     assert told_to_save == {0: [0], 1: [0]}
     assert stopped_at == {0: 0, 1: 0}
-    assert reduce.calls == [2, 2]  # once per should_save, once per should_stop
+    assert reduce.calls == [2, 2]  # once per should_save, once per should_stop (near: no skip)
 
 
 @pytest.mark.parametrize(
@@ -1265,3 +1265,78 @@ def test_a_trickling_daemon_cannot_stretch_the_timeout(headers_first: bool) -> N
         started = time.monotonic()
         guard.should_save()
         assert time.monotonic() - started < 1.5
+
+
+class _MovableDeadline:
+    """What the guard reads of a client, for a deadline a test moves (each rank its own)."""
+
+    urls = ("test",)
+    last_error = None
+
+    def __init__(self, deadline: float, clock: Callable[[], float]) -> None:
+        self.deadline = deadline
+        self._clock = clock
+
+    def expiry(self) -> Expiry:
+        now = self._clock()
+        return Expiry(expires_at=None, expires_at_unix=self.deadline,
+                      remaining_seconds=self.deadline - now, kind="scheduled-release",
+                      source="test", instance_id=None, scheduled_instance_id=None,
+                      observed_at=None, age_seconds=0.0, stale=False, error=None,
+                      server_time_unix=now)
+
+    def is_durable(self, step: int) -> Optional[bool]:
+        return None
+
+
+def test_while_the_deadline_is_far_the_ranks_reduce_on_a_schedule_they_all_compute() -> None:
+    """Simulated clock, two thread ranks, 1 s steps, the release 2000 s away: the ranks
+    agree once every few steps (never more than MAX_SKIP_SECONDS of steps apart), always
+    in the same decisions; when the release is moved close on one rank's side only, both
+    learn it at the next scheduled reduction and save at the same step."""
+    from sidecar.train.guard import MAX_SKIP_SECONDS
+
+    reduce = ThreadAllReduce(2)
+    now = [1_000_000.0]
+    deadlines = {rank: _MovableDeadline(now[0] + 2000.0, lambda: now[0]) for rank in (0, 1)}
+    saves: dict[int, list[int]] = {0: [], 1: []}
+    reduced_at: dict[int, list[int]] = {0: [], 1: []}
+    in_step = threading.Barrier(2, timeout=10)
+
+    def train(rank: int) -> None:
+        guard = CheckpointGuard(
+            deadlines[rank],  # type: ignore[arg-type]
+            SavePolicy(save_seconds=10.0, redundant_seconds=20.0, top_up_seconds=None),
+            environ={}, clock=lambda: now[0], reducer=reduce.for_rank(rank),
+            refresh_seconds=0.0, wait_for_release=False)
+        for step in range(120):
+            guard.record_step(1.0)
+            before = guard.reductions
+            if guard.should_save():
+                saves[rank].append(step)
+                with guard.saving(step):
+                    pass
+            guard.should_stop()
+            if guard.reductions > before:
+                reduced_at[rank].append(step)
+            in_step.wait()
+            if rank == 0:
+                now[0] += 1.0
+                if step == 60:
+                    deadlines[1].deadline = now[0] + 40.0  # only rank 1's node learns it
+            in_step.wait()
+
+    errors = reduce.run(train, timeout=60)
+    assert not errors, errors
+    assert reduced_at[0] == reduced_at[1]  # the same collectives, on every rank
+    far = [step for step in reduced_at[0] if step <= 60]
+    gaps = [b - a for a, b in zip(far, far[1:])]
+    assert max(gaps) <= MAX_SKIP_SECONDS + 1, reduced_at  # never longer apart
+    assert len(far) <= 61 / MAX_SKIP_SECONDS + 1, reduced_at  # 1 step in ~5, not every one
+    assert saves[0] == saves[1] and len(saves[0]) == 1, saves
+    # Learned at the next scheduled reduction (within MAX_SKIP_SECONDS of steps), and saved
+    # at the very step the rule saves at without any skipping: the first with remaining <=
+    # budget (1 s step + 10 s save + 20 s margin): 1_000_101 - (1_000_000 + 70) = 31.
+    learned = min(step for step in reduced_at[0] if step > 60)
+    assert learned <= 61 + MAX_SKIP_SECONDS, reduced_at
+    assert saves[0] == [70], (saves, reduced_at[0][8:])

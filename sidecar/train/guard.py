@@ -137,6 +137,12 @@ class GuardStatus:
     top_up_durable_at_unix: Optional[float] = None
 
 
+# Scheduled reduction: when the deadline is far, the ranks agree at most this long (and
+# this many decisions) apart instead of at every step.
+MAX_SKIP_SECONDS = 5.0
+MAX_SKIP_DECISIONS = 200
+
+
 class CheckpointGuard:
     """Policy + I/O: decides at every step whether to save now, and when to stop.
 
@@ -217,6 +223,13 @@ class CheckpointGuard:
             self.sigterm.install()
         self._said_sigterm = False
         self._said_too_late: Optional[float] = None
+        # Scheduled reduction (see _reductions_to_skip): the far verdict every rank reuses,
+        # and how many more reducing decisions reuse it before the next collective.
+        self._far: Optional[tuple[PolicyDecision, Optional[float]]] = None
+        self._skip_reductions = 0
+        #: Collective decisions made, and those skipped because the deadline was far.
+        self.reductions = 0
+        self.reductions_skipped = 0
 
     @property
     def client(self) -> SidecarClient:
@@ -559,7 +572,16 @@ class CheckpointGuard:
         if self._sigterm_deadline() is not None:
             after_final = -1.0  # as if topped up: after a SIGTERM, one save and leave
         self._warn_upload_state()
-        if reduce and self._reducer is not None:
+        collective = reduce and self._reducer is not None
+        if collective and self._skip_reductions > 0 and self._far is not None:
+            # Every rank counts the same collective decisions and computed the same skip
+            # from the same reduced numbers: all of them skip this one, none waits.
+            self._skip_reductions -= 1
+            self.reductions_skipped += 1
+            return self._far
+        if collective:
+            assert self._reducer is not None
+            self.reductions += 1
             reduced = self._reducer(
                 UNKNOWN_REMAINING if remaining is None else remaining,
                 UNKNOWN_STEP if step is None else step,
@@ -586,7 +608,37 @@ class CheckpointGuard:
             steps_after_final=after_final,
             typical_step_seconds=typical,
         )
-        return decision, None if remaining is None else now_unix + remaining
+        result = decision, None if remaining is None else now_unix + remaining
+        if collective:
+            self._skip_reductions = self._reductions_to_skip(decision)
+            self._far = result if self._skip_reductions else None
+        return result
+
+    def _reductions_to_skip(self, decision: PolicyDecision) -> int:
+        """How many of the next collective decisions may reuse this one, computed from
+        reduced numbers only (so every rank gets the same count).
+
+        Only a far verdict is reused: no save, no stop, a measured step, no SIGTERM, and
+        the deadline (if any) more than the budget away. The skipped steps last at most
+        half the slack and at most MAX_SKIP_SECONDS (1 s with a SIGTERM grace), judged on
+        the slowest rank's step: a deadline that a node learns meanwhile (a spot notice)
+        reaches the other ranks that much later, never after the slack is gone.
+        """
+        step = decision.step_seconds
+        if decision.save_now or decision.stop or step is None or step <= 0:
+            return 0
+        if self._sigterm_deadline() is not None or self._stopping:
+            return 0
+        slack = math.inf
+        if decision.remaining_seconds is not None:
+            if decision.budget_seconds is None:
+                return 0
+            slack = decision.remaining_seconds - decision.budget_seconds
+        if slack <= 0:
+            return 0
+        window = min(MAX_SKIP_SECONDS if self.sigterm is None else 1.0, slack / 2)
+        # Two collective decisions per step: should_save() and should_stop().
+        return min(MAX_SKIP_DECISIONS, 2 * int(window // step))
 
     def _sigterm_deadline(self) -> Optional[float]:
         return None if self.sigterm is None else self.sigterm.deadline()
