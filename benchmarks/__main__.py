@@ -70,6 +70,16 @@ def _reclaim(quick: bool) -> dict[str, Any]:
     return main(quick)
 
 
+def _reduce(quick: bool) -> dict[str, Any]:
+    try:
+        import torch.distributed  # noqa: F401  (the ranks agree through gloo)
+    except ImportError:
+        raise NotRun("torch is not installed") from None
+    from benchmarks.bench_reduce import main
+
+    return main(quick)
+
+
 def _footprint(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_daemon import main_footprint
 
@@ -121,6 +131,8 @@ BENCHMARKS = (
               _notice),
     Benchmark("reclaim", "reclaim notices on each cloud's emulator -> daemon -> should_save()",
               _reclaim),
+    Benchmark("reduce", "per-step cost of the ranks' agreement: every step vs scheduled "
+              "(8 gloo ranks)", _reduce),
     Benchmark("footprint", "daemon memory, idle CPU, start-up, install size", _footprint),
     Benchmark("checkpoint", "atomic_checkpoint vs torch.save (benchmarks/bench_checkpoint.py)",
               _checkpoint),

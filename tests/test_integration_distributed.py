@@ -93,7 +93,7 @@ def run_workers(
             "top_up": top_up,
             "base_unix": float(int(base_unix)),
             "wall_seconds_per_step": 10.0,
-            "step_seconds": STEP_SECONDS[rank],
+            "step_seconds": STEP_SECONDS[rank % len(STEP_SECONDS)],
             "steps": STEPS,
             "checkpoint": str(tmp_path / "model.pt"),
             "result": str(result_path),
@@ -167,6 +167,26 @@ def test_all_ranks_save_at_the_same_step_once(tmp_path: Path, world_size: int) -
     assert local[0] == [RANK0_ALONE_SAVE_STEP]
     assert all(saves == [] for saves in local[1:])
     assert elapsed < 60
+
+
+def test_four_nodes_of_two_ranks_each_save_at_the_same_step(tmp_path: Path) -> None:
+    """8 gloo processes: 4 simulated nodes, each with its own daemon (node 0 knows the
+    release, node 1 knows none, the others a far one) serving its 2 ranks. Every rank
+    saves once, at the same step, inside one collective save of all 8."""
+    base_unix = time.time()
+    with ExitStack() as stack:
+        nodes = start_daemons(stack, 4, base_unix)
+        urls = [nodes[rank // 2] for rank in range(8)]
+        outcomes = run_workers(tmp_path, urls, base_unix=base_unix, group_timeout=60,
+                               limit=240)
+    for code, _body, stderr in outcomes:
+        assert code == 0, stderr[-2000:]
+    results = [body for _code, body, _stderr in outcomes]
+    for r in results:
+        assert r["saves"] == [EXPECTED_SAVE_STEP], r
+        assert r["save_tokens"] == [8.0]
+        assert r["stop_steps"][0] == EXPECTED_SAVE_STEP
+    assert len({tuple(r["weight"]) for r in results}) == 1
 
 
 def test_all_ranks_make_the_top_up_save_at_the_same_step(tmp_path: Path) -> None:
