@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -29,15 +30,23 @@ def cluster() -> Iterator[Any]:
     ray = pytest.importorskip("ray", reason="make test installs ray")
     from ray.cluster_utils import Cluster
 
+    # Ray (the cluster's head, ray.init) installs signal handlers in this process and
+    # leaves them after shutdown: put back what was there, or later tests see Ray's.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     started = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"esi_node_0": 1}, "include_dashboard": False})
     for index in range(1, NODES):
         started.add_node(num_cpus=1, resources={f"esi_node_{index}": 1})
-    ray.init(address=started.address, include_dashboard=False, log_to_driver=False)
-    started.wait_for_nodes()
-    yield started
-    ray.shutdown()
-    started.shutdown()
+    try:
+        ray.init(address=started.address, include_dashboard=False, log_to_driver=False)
+        started.wait_for_nodes()
+        yield started
+    finally:
+        ray.shutdown()
+        started.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
 
 
 @pytest.fixture
