@@ -28,7 +28,8 @@ __all__ = ["main"]
 
 WORLD = 8
 RANK_CODE = r"""
-import json, os, sys, time
+import json, logging, os, sys, time
+logging.disable(logging.WARNING)  # "daemon unreachable" from every rank: expected here
 from datetime import timedelta
 import torch.distributed as dist
 import sidecar.train.guard as guard_module
