@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError
-from sidecar.host.sources.metadata_http import clip, probe_failure
+from sidecar.host.sources.metadata_http import clip, probe_failure, request
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     KIND_MAINTENANCE,
@@ -168,19 +168,8 @@ class AwsSource:
                           "(IMDSv1 is not used unless --aws-imdsv1 true)")
 
     def _request(self, method: str, path: str, headers: dict[str, str]) -> Any:
-        try:
-            return self._http.request(method, self._url + path, headers=headers,
-                                      preload_content=True, redirect=False)
-        except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
-            raise SourceError(f"IMDS at {self._url}: cannot connect: not on EC2?") from None
-        except urllib3.exceptions.ConnectTimeoutError:
-            raise SourceError(f"IMDS at {self._url}: connect timed out "
-                              f"({self._timeout.connect_timeout:g} s): not on EC2?") from None
-        except urllib3.exceptions.ReadTimeoutError:
-            raise SourceError(f"IMDS at {self._url}: no answer within "
-                              f"{self._timeout.read_timeout:g} s") from None
-        except urllib3.exceptions.HTTPError as exc:
-            raise SourceError(f"IMDS at {self._url}: {type(exc).__name__}") from None
+        return request(self._http, method, self._url + path, headers=headers,
+                       place=f"IMDS at {self._url}", cloud="EC2", timeout=self._timeout)
 
 
 def _spot_time(notice: Any) -> float:

@@ -43,7 +43,7 @@ from urllib.parse import urlencode
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError
-from sidecar.host.sources.metadata_http import clip, probe_failure
+from sidecar.host.sources.metadata_http import clip, probe_failure, request
 from sidecar.models import (
     DEFAULT_AZURE_METADATA_URL,
     KIND_MAINTENANCE,
@@ -253,20 +253,9 @@ class AzureSource:
         headers = dict(METADATA_HEADERS)
         if content_type is not None:
             headers["Content-Type"] = content_type
-        try:
-            return self._http.request(method, f"{self._url}{path}?{urlencode(query)}",
-                                      body=body, headers=headers, timeout=timeout,
-                                      preload_content=True, redirect=False)
-        except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
-            raise SourceError(f"IMDS at {self._url}: cannot connect: not on Azure?") from None
-        except urllib3.exceptions.ConnectTimeoutError:
-            raise SourceError(f"IMDS at {self._url}: connect timed out "
-                              f"({timeout.connect_timeout:g} s): not on Azure?") from None
-        except urllib3.exceptions.ReadTimeoutError:
-            raise SourceError(f"IMDS at {self._url}: no answer within "
-                              f"{timeout.read_timeout:g} s") from None
-        except urllib3.exceptions.HTTPError as exc:
-            raise SourceError(f"IMDS at {self._url}: {type(exc).__name__}") from None
+        return request(self._http, method, f"{self._url}{path}?{urlencode(query)}",
+                       body=body, headers=headers, place=f"IMDS at {self._url}",
+                       cloud="Azure", timeout=timeout)
 
 
 def _events_query() -> dict[str, str]:

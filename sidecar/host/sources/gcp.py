@@ -58,7 +58,7 @@ from typing import Any, Callable, NoReturn, Optional
 import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError, where
-from sidecar.host.sources.metadata_http import clip, probe_failure
+from sidecar.host.sources.metadata_http import clip, probe_failure, request
 from sidecar.models import (
     DEFAULT_GCP_METADATA_URL,
     KIND_MAINTENANCE,
@@ -309,19 +309,8 @@ class GcpSource:
 
     def _request(self, key: str, fields: dict[str, str], timeout: urllib3.Timeout) -> Any:
         place = f"GCE metadata {key} at {self._url}"
-        try:
-            response = self._http.request("GET", self._url + PREFIX + key, fields=fields,
-                                          headers=FLAVOR, timeout=timeout,
-                                          preload_content=True, redirect=False)
-        except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
-            raise SourceError(f"{place}: cannot connect: not on GCP?") from None
-        except urllib3.exceptions.ConnectTimeoutError:
-            raise SourceError(f"{place}: connect timed out "
-                              f"({timeout.connect_timeout:g} s): not on GCP?") from None
-        except urllib3.exceptions.ReadTimeoutError:
-            raise SourceError(f"{place}: no answer within {timeout.read_timeout:g} s") from None
-        except urllib3.exceptions.HTTPError as exc:
-            raise SourceError(f"{place}: {type(exc).__name__}") from None
+        response = request(self._http, "GET", self._url + PREFIX + key, fields=fields,
+                           headers=FLAVOR, place=place, cloud="GCP", timeout=timeout)
         flavor = response.headers.get("Metadata-Flavor")
         if response.status == 200 and flavor != "Google":  # a proxy's or a portal's page
             shown = "no Metadata-Flavor header" if flavor is None else (

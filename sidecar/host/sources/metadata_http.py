@@ -1,5 +1,6 @@
 """Helpers shared by the sources that read a cloud's instance metadata service over HTTP
-(aws, gcp, azure): one-line excerpts of what a service answered, and why a probe failed."""
+(aws, gcp, azure): one request with its failures as one-line SourceErrors, one-line
+excerpts of what a service answered, and why a probe failed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,27 @@ from typing import Any
 
 import urllib3
 
-__all__ = ["clip", "probe_failure"]
+from sidecar.host.sources.base import SourceError
+
+__all__ = ["clip", "probe_failure", "request"]
+
+
+def request(http: urllib3.PoolManager, method: str, url: str, *, place: str, cloud: str,
+            timeout: urllib3.Timeout, **options: Any) -> Any:
+    """``http.request`` without redirects, its failures as one line naming ``place``; a
+    host that cannot reach the service is asked whether it runs on ``cloud`` at all."""
+    try:
+        return http.request(method, url, timeout=timeout, preload_content=True,
+                            redirect=False, **options)
+    except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
+        raise SourceError(f"{place}: cannot connect: not on {cloud}?") from None
+    except urllib3.exceptions.ConnectTimeoutError:
+        raise SourceError(f"{place}: connect timed out ({timeout.connect_timeout:g} s): "
+                          f"not on {cloud}?") from None
+    except urllib3.exceptions.ReadTimeoutError:
+        raise SourceError(f"{place}: no answer within {timeout.read_timeout:g} s") from None
+    except urllib3.exceptions.HTTPError as exc:
+        raise SourceError(f"{place}: {type(exc).__name__}") from None
 
 
 def clip(value: Any, limit: int = 120) -> str:
