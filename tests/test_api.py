@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -210,3 +210,16 @@ def test_head_answers_like_get_without_a_body(path: str) -> None:
     assert (head.status, got.status) == (200, 200)
     assert body == b""
     assert head.getheader("content-type") == got.getheader("content-type")
+
+
+def test_uploads_limit_takes_only_a_plain_whole_number() -> None:
+    # The int query used to take what int() takes: "1.0", "1_000", "+5", " 5".
+    bad = ["true", "false", "1.0", "1_000", "+5", " 5", "0x10", "5.5", "-1", "", "1001"]
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
+        answers = {value: get_json(daemon.url + "/v1/uploads?limit=" + quote(value))
+                   for value in [*bad, "0", "7", "1000"]}
+    for value in bad:
+        status, body = answers[value]
+        assert status == 422, value
+        assert body["error"].startswith("limit: "), body
+    assert all(answers[value][0] == 200 for value in ("0", "7", "1000"))

@@ -12,10 +12,11 @@ microseconds, and a plain ``def`` would cost a thread-pool hand-off per request 
 from __future__ import annotations
 
 import json
+import re
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
-from typing import Any, Callable, Optional, Protocol
+from typing import Annotated, Any, Callable, Optional, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,7 +24,8 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
+from pydantic_core import PydanticCustomError
 
 from sidecar import __version__
 from sidecar.host.store import Store, build_expiry, build_health
@@ -99,6 +101,16 @@ MAX_QUERY_SECONDS = 1e7
 def _seconds(description: str, default: Any = ...) -> Any:
     return Query(default, ge=0, le=MAX_QUERY_SECONDS, allow_inf_nan=False,
                  description=description)
+
+
+def _digits(value: Any) -> Any:
+    """A count in a query is written in digits: pydantic's int would also take "1.0",
+    "1_000", "+5" and " 5" (what int() and float() take), and a client that sent any of
+    them meant something else (issue 13)."""
+    if isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
+        raise PydanticCustomError("whole_number",
+                                  "must be a whole number written in digits, such as 100")
+    return value
 
 
 def create_app(
@@ -185,7 +197,8 @@ def create_app(
     @app.get("/v1/uploads", response_model=UploadsBody,
              summary="Checkpoint uploads: per checkpoint state, and the last durable step")
     async def upload_status(
-        limit: int = Query(100, ge=0, le=1000, description="newest checkpoints to list"),
+        limit: Annotated[int, Query(ge=0, le=1000, description="newest checkpoints to list"),
+                         BeforeValidator(_digits)] = 100,
     ) -> Response:
         if uploads is None:
             return _json({"enabled": False, "status": None, "degraded": False, "error": None,
