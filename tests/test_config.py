@@ -103,3 +103,53 @@ def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "--poll-interval value 'never'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "environ", "fragment"),
+    [
+        # ~20 API calls a second: stopped, naming the option, the value and the bound.
+        ({"poll_interval": "0.001"}, {}, "invalid --poll-interval value '0.001'"),
+        ({"poll_interval": "0.001"}, {}, "must be at least 5 s"),
+        ({"poll_interval": "4.9", "source": ["volcengine-esi"]}, {}, "at least 5 s"),
+        ({"source": ["volcengine-events"]}, {"ESI_SIDECAR_POLL_INTERVAL": "1"},
+         "invalid ESI_SIDECAR_POLL_INTERVAL value '1'"),
+        # A named (non-loopback) endpoint is still the cloud's.
+        ({"poll_interval": "1", "api_endpoint": "https://open.volcengineapi.com"}, {},
+         "at least 5 s"),
+        # Sources that call no API are bounded only against busy-looping.
+        ({"poll_interval": "0.01", "source": ["env"]}, {}, "at least 0.1 s"),
+        ({"poll_interval": "0.05", "api_endpoint": "http://127.0.0.1:9000"}, {}, "at least 0.1 s"),
+    ],
+)
+def test_poll_interval_has_a_lower_bound(given: dict, environ: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(given, environ=environ)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"poll_interval": "5"},  # the bound itself, against the cloud API
+        {"poll_interval": "0.2", "api_endpoint": "http://127.0.0.1:9000"},  # the emulator
+        {"poll_interval": "0.2", "api_endpoint": "http://[::1]:9000", "source": ["volcengine-esi"]},
+        {"poll_interval": "0.2", "source": ["env"]},
+        {"poll_interval": "0.1", "source": ["aws", "gcp", "azure", "static"],
+         "expires_at": "2030-01-01T00:00:00Z"},
+    ],
+)
+def test_poll_interval_bound_allows_the_emulator_and_local_sources(given: dict) -> None:
+    assert load_settings(given, environ={}).poll_interval == float(given["poll_interval"])
+
+
+def test_the_metadata_sources_keep_their_own_cadence_under_the_bound() -> None:
+    # aws every 2 s, azure every 1 s, gcp between long polls: below the API bound, and
+    # their own, whatever --poll-interval says (the poller uses poll_interval_seconds).
+    from sidecar.host.sources.registry import create_source
+
+    settings = load_settings({"source": ["aws", "gcp", "azure"], "poll_interval": "30"},
+                             environ={})
+    cadence = {name: create_source(name, settings).poll_interval_seconds  # type: ignore[attr-defined]
+               for name in settings.sources}
+    assert cadence == {"aws": 2.0, "gcp": 1.0, "azure": 1.0}

@@ -8,6 +8,7 @@ drift apart. ``Settings`` only stores values; the daemon does the work.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
@@ -47,6 +49,17 @@ DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
 # dependencies.
 UPLOAD_ESTIMATE_SIZES = 3
 UPLOAD_ESTIMATE_MARGIN = 1.2
+# The least --poll-interval against the cloud's API (issue 13): at the default 30 s a
+# source makes 120 calls per host-hour, at 5 s 720, and a 1,000-host fleet running both
+# Volcengine sources about 400 calls a second on one account. A shorter interval buys
+# nothing: the guard asks once a second, the notices are minutes long, and the poller's
+# own confirming polls come 5 s apart.
+MIN_API_POLL_INTERVAL_SECONDS = 5.0
+# Any source: below this a poll thread only spins.
+MIN_POLL_INTERVAL_SECONDS = 0.1
+# The sources that call the Volcengine OpenAPI every --poll-interval (auto may run them);
+# aws, gcp and azure keep their own cadence, env and static call nothing.
+API_SOURCES = ("auto", "volcengine-esi", "volcengine-events")
 
 
 class ConfigError(ValueError):
@@ -114,6 +127,16 @@ def _positive_seconds(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError("must be a positive number of seconds")
     return value
+
+
+def _is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -290,8 +313,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("metadata_url", _url, f"ECS metadata service (default {DEFAULT_METADATA_URL})",
            "URL"),
     Option("poll_interval", _positive_seconds,
-           f"seconds between polls (default {_DEFAULTS.poll_interval:g}, "
-           "with +-10%% jitter)", "SECONDS"),
+           f"seconds between polls (default {_DEFAULTS.poll_interval:g}, with +-10%% jitter; "
+           "aws, gcp and azure keep their own cadence): at least "
+           f"{MIN_API_POLL_INTERVAL_SECONDS:g} where the Volcengine OpenAPI is polled, "
+           f"{MIN_POLL_INTERVAL_SECONDS:g} with a loopback --api-endpoint (the emulator) or "
+           "sources that call no API", "SECONDS"),
     Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
            "long (default 3 x poll interval)", "SECONDS"),
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
@@ -406,6 +432,7 @@ def load_settings(
     given = dict(given or {})
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    given_as: dict[str, tuple[str, str]] = {}  # option name -> (flag or variable, raw text)
     for option, flag in _chosen(flags):
         raw = given.get(option.name)
         origin = flag
@@ -423,12 +450,38 @@ def load_settings(
         except (ValueError, TimestampError) as exc:
             shown = "(hidden)" if option.env_only else repr(str(raw))
             raise ConfigError(f"invalid {origin} value {shown}: {exc}") from None
+        given_as[option.name] = (origin, str(raw))
     if "state_file" not in values and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (several paths are colon-separated).
         values["state_file"] = Path(environ["STATE_DIRECTORY"].split(":")[0]) / "state.json"
     settings = Settings(**values)
     _check(settings)
+    if "poll_interval" in given_as:
+        _check_poll_interval(settings, *given_as["poll_interval"])
     return settings
+
+
+def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:
+    """The cloud API's budget (MIN_API_POLL_INTERVAL_SECONDS); the emulator on a loopback
+    endpoint, and sources that call no API, may poll faster, down to
+    MIN_POLL_INTERVAL_SECONDS."""
+    api = [name for name in settings.sources if name in API_SOURCES]
+    emulated = settings.api_endpoint is not None and _is_loopback_url(settings.api_endpoint)
+    if not api or emulated:
+        if settings.poll_interval < MIN_POLL_INTERVAL_SECONDS:
+            raise ConfigError(f"invalid {origin} value {raw!r}: must be at least "
+                              f"{MIN_POLL_INTERVAL_SECONDS:g} s")
+        return
+    if settings.poll_interval >= MIN_API_POLL_INTERVAL_SECONDS:
+        return
+    calls = 3600 / settings.poll_interval
+    raise ConfigError(
+        f"invalid {origin} value {raw!r}: must be at least {MIN_API_POLL_INTERVAL_SECONDS:g} s "
+        f"where the Volcengine OpenAPI is polled (--source {','.join(api)}): that is "
+        f"{calls:,.0f} calls per source per host-hour, the default "
+        f"{_DEFAULTS.poll_interval:g} s makes {3600 / _DEFAULTS.poll_interval:.0f}; only a "
+        "loopback --api-endpoint (the emulator) may be polled faster"
+    )
 
 
 def storage_options(settings: Settings) -> dict[str, Any]:
