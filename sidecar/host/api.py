@@ -11,6 +11,7 @@ microseconds, and a plain ``def`` would cost a thread-pool hand-off per request 
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import time
@@ -125,6 +126,10 @@ def create_app(
         version=__version__,
         summary="Time left before this machine is released, for training jobs to save in time.",
         lifespan=lifespan,
+        # Swagger UI and ReDoc load their JavaScript from a CDN, and a GPU host may have
+        # no internet: /docs is a plain page of our own instead (issue 13).
+        docs_url=None,
+        redoc_url=None,
     )
 
     @app.exception_handler(RequestValidationError)
@@ -205,6 +210,10 @@ def create_app(
                           "last_durable_step": None, "checkpoints": []})
         return _json(uploads.body(clock(), limit))
 
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return Response(_endpoints_page(app.openapi()), media_type="text/html")
+
     app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock)
 
     registry = CollectorRegistry(auto_describe=False)
@@ -218,6 +227,28 @@ def create_app(
 
     app.add_middleware(_HeadAsGet)
     return app
+
+
+def _endpoints_page(schema: dict[str, Any]) -> str:
+    """Every operation of the OpenAPI schema with its query parameters, as one HTML page
+    that loads nothing: it works on a host without internet. The schema is /openapi.json."""
+    info = schema.get("info", {})
+    rows = []
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            parameters = "".join(
+                f"<li><code>{html.escape(p['name'])}</code> "
+                f"{html.escape(p.get('description', ''))}</li>"
+                for p in operation.get("parameters", ()))
+            rows.append(
+                f"<tr><td><code>{html.escape(method.upper())} {html.escape(path)}</code></td>"
+                f"<td>{html.escape(operation.get('summary', ''))}"
+                + (f"<ul>{parameters}</ul>" if parameters else "") + "</td></tr>")
+    title = html.escape(f"{info.get('title', '')} {info.get('version', '')}")
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            f"</head><body><h1>{title}</h1><p>{html.escape(info.get('summary', ''))}</p>"
+            f"<table>{''.join(rows)}</table>"
+            "<p>Schema: <a href=\"/openapi.json\">/openapi.json</a></p></body></html>\n")
 
 
 class _HeadAsGet:
