@@ -178,6 +178,64 @@ def test_without_an_uploader_the_final_save_is_durable_at_once(
                "(no uploader: the local save counts)" for r in caplog.records)
 
 
+def test_an_asynchronous_save_counts_once_committed_and_its_write_is_budgeted(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    deadline = time.time() + 3600
+    with serve_daemon(sources=("static",), expires_at=str(deadline)) as daemon:
+        clock = Clock(deadline - 50.0)
+        guard = CheckpointGuard(SidecarClient(daemon.url, timeout=5),
+                                SavePolicy(save_seconds=1.0, redundant_seconds=60.0),
+                                clock=clock, environ={})
+        guard.record_step(1.0)
+        guard.record_async_write(4.0)  # an earlier save's background write
+        guard.record_async_write(9.0)
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        assert guard.async_write_estimate() == 9.0  # the largest of the recent ones
+        assert guard.should_save() is True
+        decision = guard.last_decision
+        # step 1 + save 1 + margin 60 + the background write 9, as an upload would be.
+        assert decision is not None and decision.budget_seconds == pytest.approx(71.0)
+        committed = {"done": False}
+        guard.record_save(0.5, step=7, committed=lambda: committed["done"])
+        status = guard.status()
+        assert status.final_step == 7 and status.final_durable_at_unix is None
+        clock.now += 2.0
+        committed["done"] = True
+        deadline_check = time.monotonic() + 5  # asked at most once per refresh (1 s)
+        while guard.status().final_durable_at_unix is None and time.monotonic() < deadline_check:
+            time.sleep(0.05)
+        assert guard.status().final_durable_at_unix == clock.now
+    assert any(r.getMessage() == "final checkpoint (step 7) durable 48.0 s before the release "
+               "(no uploader: the local save counts)" for r in caplog.records)
+    with pytest.raises(ValueError, match="async write seconds"):
+        guard.record_async_write(float("nan"))
+
+
+def test_an_asynchronous_save_not_committed_by_the_release_is_said_loudly(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    deadline = time.time() + 3600
+    with serve_daemon(sources=("static",), expires_at=str(deadline)) as daemon:
+        clock = Clock(deadline - 50.0)
+        guard = CheckpointGuard(SidecarClient(daemon.url, timeout=5),
+                                SavePolicy(save_seconds=1.0, redundant_seconds=60.0),
+                                clock=clock, environ={}, wait_for_release=False)
+        guard.record_step(1.0)
+        assert guard.should_save() is True
+
+        def broken() -> bool:
+            raise RuntimeError("a committed() that raises is taken as not committed")
+
+        guard.record_save(0.5, step=7, committed=broken)
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        clock.now = deadline + 1.0
+        assert guard.status().final_durable_at_unix is None
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        "final checkpoint (step 7) was NOT committed before the release: its asynchronous "
+        "write had not finished"]
+
+
 def test_the_estimate_is_the_largest_recent_checkpoint_over_the_throughput() -> None:
     now = [1000.0]
     tracker = UploadTracker(source="/c", destination="s3://b/p", endpoint=None,

@@ -159,12 +159,34 @@ def test_torch_distributed_example_every_rank_saves_at_the_same_step(tmp_path: P
 
 
 @pytest.mark.frameworks
+def test_dcp_example_every_rank_writes_its_shards_of_one_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    output = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(EXAMPLES / "torch_dcp.py"), "--output", str(output),
+    ]
+    step, first, resumed = first_then_resumed(command, tmp_path)
+    saved = re.findall(r"rank (\d): saved: checkpoint at step (\d+)", first)
+    assert sorted(saved) == [("0", str(step)), ("1", str(step))], first[-3000:]
+    # The asynchronous save was committed before the loop ended, on every rank.
+    assert sorted(re.findall(r"rank (\d): committed: step (\d+)", first)) == [
+        ("0", str(step)), ("1", str(step))], first[-3000:]
+    assert sorted(re.findall(r"rank (\d): start: resuming", resumed)) == ["0", "1"]
+    listing = list_checkpoints(output)
+    assert [(entry.step, entry.valid) for entry in listing] == [(step, True)]
+    files = {entry.path for entry in listing[0].info.files} if listing[0].info else set()
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, files
+
+
+@pytest.mark.frameworks
 @pytest.mark.parametrize(
     ("script", "needs"),
     [
         ("hf_trainer.py", ("torch", "transformers", "accelerate")),
         ("lightning_module.py", ("torch", "lightning")),
         ("torch_distributed.py", ("torch",)),
+        ("torch_dcp.py", ("torch",)),
     ],
 )
 def test_help_lists_the_options(script: str, needs: tuple[str, ...], tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
 # The one framework each integration may import (lazily; checked by another test).
 FRAMEWORKS = {
     "sidecar.integrations.distributed": {"torch"},
+    "sidecar.integrations.dcp": {"torch"},
     "sidecar.integrations.lightning": {"torch", "lightning", "pytorch_lightning"},
     "sidecar.integrations.transformers": {"torch", "transformers"},
     "sidecar.integrations.verl": {"verl", "ray"},

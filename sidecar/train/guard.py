@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ class GuardStatus:
 # this many decisions) apart instead of at every step.
 MAX_SKIP_SECONDS = 5.0
 MAX_SKIP_DECISIONS = 200
+# record_async_write(): the largest of this many recent asynchronous parts is budgeted.
+ASYNC_WRITES_KEPT = 3
 
 
 class CheckpointGuard:
@@ -206,6 +209,9 @@ class CheckpointGuard:
         self._sleep = sleep
         self.released = False  # should_stop() returned True because the release came
         self._upload_fallback: Optional[float] = None  # from load_state_dict()
+        # The asynchronous part of recent saves (record_async_write): it runs after the
+        # blocking part, before any upload can start. A deque: appended from any thread.
+        self._async_writes: deque[float] = deque(maxlen=ASYNC_WRITES_KEPT)
         self._warned_internal = False
         self._stopping = False
         self._last_decision: Optional[PolicyDecision] = None
@@ -284,18 +290,42 @@ class CheckpointGuard:
         self.policy.record_step(seconds)
 
     def record_save(
-        self, seconds: float, *, started_unix: Optional[float] = None, step: Optional[int] = None
+        self,
+        seconds: float,
+        *,
+        started_unix: Optional[float] = None,
+        step: Optional[int] = None,
+        committed: Optional[Callable[[], bool]] = None,
     ) -> None:
         """For callers that time saves themselves; ``started_unix`` defaults to now - seconds.
 
         Call it right after the save, before the next ``should_save()``: the save is taken
         to be for the deadline that the last ``should_save()`` (or ``should_stop()``) used.
         ``step``: as for :meth:`saving`.
+
+        ``committed``: for a save whose writing goes on after ``seconds`` (an asynchronous
+        save: ``seconds`` is its blocking part). The checkpoint counts as saved (durable
+        without an uploader; handed to the uploader with one) only once ``committed()``
+        returns True; the guard asks it from the training thread, at most once per refresh.
+        Tell the guard how long the asynchronous part took with :meth:`record_async_write`.
         """
         if started_unix is None:
             started_unix = self._clock() - seconds
         self._record_save(seconds, started_unix=started_unix,
-                          deadline_unix=self._deadline_for_save(), step=step)
+                          deadline_unix=self._deadline_for_save(), step=step,
+                          committed=committed)
+
+    def record_async_write(self, seconds: float) -> None:
+        """How long the asynchronous part of a save took (from the end of its blocking part
+        until it was committed). The largest of the last few is added to the time a save
+        needs to become durable, like an upload. Safe to call from any thread (a save's
+        completion callback)."""
+        self._async_writes.append(check_seconds("async write seconds", seconds))
+
+    def async_write_estimate(self) -> Optional[float]:
+        """The largest of the last few asynchronous parts, None before one finished."""
+        writes = list(self._async_writes)
+        return max(writes) if writes else None
 
     def _deadline_for_save(self) -> Optional[float]:
         """The deadline a save starting now is made for.
@@ -315,6 +345,7 @@ class CheckpointGuard:
         started_unix: float,
         deadline_unix: Optional[float],
         step: Optional[int] = None,
+        committed: Optional[Callable[[], bool]] = None,
     ) -> None:
         # The budget of the decision that asked for this save, so that the save covers
         # what that decision promised; the deadline known when it started, so that a
@@ -329,7 +360,8 @@ class CheckpointGuard:
             now = self._clock()
             uploads = self._tracker.upload_status is not None
             saved = _FinalSave(step=step, deadline_unix=deadline_unix, saved_unix=now,
-                               durable_unix=None if uploads else now, top_up=asked.top_up)
+                               durable_unix=None if uploads or committed else now,
+                               top_up=asked.top_up, committed=committed)
             if asked.top_up:
                 self._top_up = saved
             else:
@@ -512,16 +544,27 @@ class CheckpointGuard:
             return
         now = self._clock()
         lead = None if final.deadline_unix is None else final.deadline_unix - now
-        if final.durable_unix is None and final.step is not None and (
-            self._monotonic() >= final.next_check
-        ):
+        uploads = self._tracker.upload_status is not None
+        if final.durable_unix is None and self._monotonic() >= final.next_check:
             final.next_check = self._monotonic() + self._tracker.refresh_seconds
-            try:
-                durable = self.client.is_durable(final.step)
-            except Exception:  # a client given by the caller may raise
-                durable = None
-            if durable:
-                final.durable_unix = now
+            if final.committed is not None and final.committed_unix is None:
+                try:
+                    done = bool(final.committed())
+                except Exception:  # the caller's function; never into the training loop
+                    done = False
+                if done:
+                    final.committed_unix = now
+                    if not uploads:
+                        final.durable_unix = now
+            if final.durable_unix is None and final.step is not None and (
+                final.committed is None or final.committed_unix is not None
+            ):
+                try:
+                    durable = self.client.is_durable(final.step)
+                except Exception:  # a client given by the caller may raise
+                    durable = None
+                if durable:
+                    final.durable_unix = now
         if final.durable_unix is not None:
             final.reported = True
             local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
@@ -533,7 +576,10 @@ class CheckpointGuard:
                             final.deadline_unix - final.durable_unix, local)
         elif lead is not None and lead <= 0:
             final.reported = True
-            if final.top_up:  # the final checkpoint before it is the one to resume from
+            if final.committed is not None and final.committed_unix is None:
+                logger.error("%s checkpoint (step %s) was NOT committed before the release: "
+                             "its asynchronous write had not finished", final.name, final.step)
+            elif final.top_up:  # the final checkpoint before it is the one to resume from
                 logger.warning("top-up checkpoint (step %s) was not durable before the "
                                "release (%s); resume picks the final checkpoint (step %s)",
                                final.step, self._tracker.upload_status or "no answer",
@@ -568,6 +614,9 @@ class CheckpointGuard:
         upload = self._tracker.upload_seconds
         if upload is None and self._tracker.upload_status is not None:
             upload = self._upload_fallback  # a new uploader knows no rate yet: the saved one
+        async_write = self.async_write_estimate()
+        if async_write is not None:  # written after the blocking part, before any upload
+            upload = async_write + (upload or 0.0)
         after_final: Optional[float] = None  # the policy's own
         if self._sigterm_deadline() is not None:
             after_final = -1.0  # as if topped up: after a SIGTERM, one save and leave
@@ -686,6 +735,9 @@ class _FinalSave:
     next_check: float = -math.inf  # monotonic
     reported: bool = False
     top_up: bool = False
+    # An asynchronous save: it counts once committed() is True (committed_unix).
+    committed: Optional[Callable[[], bool]] = None
+    committed_unix: Optional[float] = None
 
     @property
     def name(self) -> str:
