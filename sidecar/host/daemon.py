@@ -16,13 +16,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, ClassVar, Optional, cast
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from sidecar.host.api import create_app
 from sidecar.host.approve import Approvable, Approver
+from sidecar.host.connections import (
+    MAX_CONNECTIONS,
+    ConnectionGuard,
+    ListeningSocket,
+    connection_limit,
+    raise_open_file_limit,
+)
+from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
 from sidecar.host.settings import Settings, storage_options
@@ -49,6 +58,7 @@ class Daemon:
     store: Store
     poller: Poller
     app: FastAPI
+    connections: ConnectionGuard
     uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
     approver: Optional[Approver] = None  # --azure-approve
 
@@ -107,7 +117,9 @@ def build_daemon(settings: Settings) -> Daemon:
 
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None)
-    return Daemon(settings, store, poller, app, uploader, approver)
+    # The cap fits the open-file limit in force now (run() raises it first).
+    connections = ConnectionGuard(connection_limit())
+    return Daemon(settings, store, poller, app, connections, uploader, approver)
 
 
 def _build_uploader(settings: Settings, store: Store) -> Any:
@@ -179,14 +191,15 @@ async def _watchdog(poller: Poller, interval: float) -> None:
 
 
 def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:
-    """Bind every listen address up front so a bad one stops start-up with a clear line."""
+    """Bind every listen address up front so a bad one stops start-up with a clear line.
+    ListeningSocket: its accept() asks the server's connection guard."""
     bound: list[socket.socket] = []
     try:
         for host, port in addresses:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             # IPPROTO_TCP explicitly: asyncio disables Nagle only on sockets whose proto says TCP;
             # with proto 0 every keep-alive answer waits ~40 ms for a delayed ACK.
-            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock = ListeningSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -198,13 +211,65 @@ def bind_sockets(addresses: tuple[tuple[str, int], ...]) -> list[socket.socket]:
             sock.set_inheritable(True)
             bound.append(sock)
     except OSError:
-        for sock in bound:
-            sock.close()
+        for opened in bound:
+            opened.close()
         raise
     return bound
 
 
+class _GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, telling the connection guard when each connection starts,
+    begins and ends a request, and goes away (sidecar.host.connections). uvicorn arms its
+    own keep-alive timer only after a response, so a connection that never finishes its
+    first request would otherwise be held for ever."""
+
+    guard: ClassVar[ConnectionGuard]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.guard.started(self)
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        super().data_received(data)
+        if self.cycle is not cycle:  # the request's headers are complete
+            self.guard.request_started(self)
+        else:
+            self.guard.data_while_waiting(self)
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle
+        super().on_response_complete()
+        # A new cycle here is a pipelined request already under way.
+        if self.cycle is cycle and not self.transport.is_closing():
+            self.guard.request_done(self)
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.guard.lost(self)
+        super().connection_lost(exc)
+
+    def close_now(self) -> None:
+        self.transport.abort()
+
+
+class _Server(uvicorn.Server):
+    """Serves only on sockets from bind_sockets(), whose accept() asks the guard."""
+
+    def __init__(self, config: uvicorn.Config, guard: ConnectionGuard) -> None:
+        super().__init__(config)
+        self.guard = guard
+
+    async def serve(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        if not sockets or not all(isinstance(sock, ListeningSocket) for sock in sockets):
+            raise TypeError("serve on the sockets bind_sockets() returns")
+        for sock in sockets:
+            cast(ListeningSocket, sock).guard = self.guard
+        await super().serve(sockets=sockets)
+
+
 def make_server(daemon: Daemon) -> uvicorn.Server:
+    guard = daemon.connections
+    protocol = type("GuardedH11Protocol", (_GuardedH11Protocol,), {"guard": guard})
     config = uvicorn.Config(
         daemon.app,
         log_config=None,  # our logging setup; no access log: clients ask every step
@@ -212,16 +277,25 @@ def make_server(daemon: Daemon) -> uvicorn.Server:
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_SECONDS),
         timeout_keep_alive=30,
         lifespan="on",
+        # The guard hooks asyncio's accept loop and the h11 protocol: never uvloop (its
+        # accept bypasses ListeningSocket) nor httptools, even where they are installed.
+        loop="asyncio",
+        http=protocol,
     )
-    return uvicorn.Server(config)
+    return _Server(config, guard)
 
 
 def run(settings: Settings, sockets: Optional[list[socket.socket]] = None) -> None:
     """Serve until SIGTERM/SIGINT. Raises OSError for an address that cannot be bound."""
+    hold_back_repeats()  # a flood of one error (accept() failing, say) is one line a minute
+    open_files = raise_open_file_limit()
     sockets = sockets if sockets is not None else bind_sockets(settings.listen)
     daemon = build_daemon(settings)
     addresses = ", ".join(_format_address(sock) for sock in sockets)
     log.info("serving on %s (sources: %s)", addresses, ", ".join(settings.sources))
+    if daemon.connections.limit < MAX_CONNECTIONS:
+        log.warning("open-file limit %d: at most %d connections at once (LimitNOFILE= "
+                    "raises it)", open_files, daemon.connections.limit)
     make_server(daemon).run(sockets=sockets)
 
 
