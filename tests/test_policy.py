@@ -203,6 +203,54 @@ def test_rearms_when_the_deadline_moves_later_than_the_save_covers() -> None:
     assert policy.evaluate(near + 30.0, later).stop
 
 
+def loop_ignoring_stop(policy: SavePolicy, deadline: float, wobbles: list[float],
+                       step: float = 80.0, save: float = 30.0) -> list[PolicyDecision]:
+    """A training loop that saves whenever asked and never looks at ``stop``, its deadline
+    wobbling by ``wobbles[i]`` at step i (clock jitter, a rounded answer). The saves."""
+    now, saves = NOW, []
+    for wobble in wobbles:
+        decision = policy.evaluate(now, deadline + wobble)
+        if decision.remaining_seconds is not None and decision.remaining_seconds <= 0:
+            break
+        if decision.save_now:
+            saves.append(decision)
+            policy.record_save(save, started_unix=now, deadline_unix=deadline + wobble,
+                               budget_seconds=decision.budget_seconds)
+            now += save
+        policy.record_step(step)
+        now += step
+    return saves
+
+
+def test_a_deadline_wobbling_by_a_second_does_not_rearm_the_final_save() -> None:
+    # The save comes at 259.5 s left with a 260 s budget: its cover ends 0.5 s after the
+    # deadline, so a deadline read 1 s later used to re-arm the rule and save again.
+    policy = policy_with_step(80.0, top_up_seconds=None)
+    saves = loop_ignoring_stop(policy, NOW + 259.5, [0.0, 1.0, -1.0, 1.0, 0.6, 1.4])
+    assert len(saves) == 1
+
+
+def test_a_wobbling_deadline_gets_one_final_and_one_top_up_save() -> None:
+    policy = policy_with_step(20.0)  # the default 5 s top-up margin
+    wobbles = [0.0, 1.0, -0.5, 1.5] * 10
+    saves = loop_ignoring_stop(policy, NOW + 199.5, wobbles, step=20.0, save=10.0)
+    assert [decision.top_up for decision in saves] == [False, True]
+
+
+def test_only_a_move_later_than_the_cover_plus_the_margin_rearms() -> None:
+    # The margin (redundant_seconds) is kept for clock error: a deadline moved later by
+    # less than that past the save's cover is still covered; a renewal beyond it re-arms.
+    policy = policy_with_step(80.0, top_up_seconds=None)
+    deadline = NOW + 200.0
+    assert policy.evaluate(NOW, deadline).save_now
+    policy.record_save(30.0, started_unix=NOW, deadline_unix=deadline)
+    policy.record_step(80.0)
+    cover = NOW + 260.0  # the budget the save was asked for (80 + 60 + 120)
+    assert policy.evaluate(NOW + 110.0, cover + 119.0).stop
+    renewed = policy.evaluate(NOW + 110.0, cover + 121.0)
+    assert not renewed.stop and not renewed.save_now  # armed again, not yet in the window
+
+
 def test_deadline_brought_earlier() -> None:
     policy = policy_with_step(80.0)
     # Far away: nothing to do. Then a preemption notice brings it close: save now.

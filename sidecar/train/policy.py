@@ -14,7 +14,9 @@ What this module does better than the seed in verl
 - It saves ONCE per deadline. The seed stays true for every step inside the window and
   saves again and again, each save eating into the time left. Here a save made for a
   deadline "covers" every deadline no further than one budget after the save started;
-  the rule re-arms only when the deadline moves later than that.
+  the rule re-arms only when the deadline moves later than that by more than the margin
+  kept for clock error (:meth:`SavePolicy.rearm_after_seconds`): a deadline read a
+  second later (jitter, an answer rounded to the second) is the same deadline.
 - A save counts as made for a deadline only when that deadline was known when the save
   started and already inside the save's window (``deadline <= started + budget``). A
   routine save made before any deadline was known, or while it was still far away,
@@ -64,6 +66,7 @@ __all__ = [
     "DEFAULT_REDUNDANT_SECONDS",
     "DEFAULT_SAVE_SECONDS",
     "DEFAULT_TOP_UP_SECONDS",
+    "REARM_FLOOR_SECONDS",
     "STATISTICS",
     "PolicyDecision",
     "SavePolicy",
@@ -82,6 +85,11 @@ DEFAULT_REDUNDANT_SECONDS = 120.0
 # the reference workloads where a top-up fits at all, with no miss; a top-up cut by the
 # release only loses the steps trained after the final save.
 DEFAULT_TOP_UP_SECONDS = 5.0
+
+# The least a deadline must move past the final save's cover to re-arm the rule, for a
+# policy whose margin is smaller (see SavePolicy.rearm_after_seconds): more than the
+# rounding of an answer to whole seconds, and than the jitter of a clock.
+REARM_FLOOR_SECONDS = 2.0
 
 # Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
 # 1/(1-q) samples a percentile is the max: conservative while little is known).
@@ -291,7 +299,9 @@ class SavePolicy:
         self._fresh_cover_until_unix = cover
         if deadline_unix is None or deadline_unix > cover:
             return  # a routine save: not made for any deadline
-        if self._cover_until_unix is None or deadline_unix > self._cover_until_unix:
+        if self._cover_until_unix is None or (
+            deadline_unix > self._cover_until_unix + self.rearm_after_seconds()
+        ):
             self._after_final = 0  # the final save for this deadline: a top-up may follow
         elif self._after_final > 0:
             self._after_final = -1  # a save after training past the final save: the top-up
@@ -377,6 +387,18 @@ class SavePolicy:
         writes checkpoints the others learn of them this way)."""
         return self._after_final
 
+    def rearm_after_seconds(self) -> float:
+        """How far past the final save's cover a deadline must move to re-arm the rule:
+        the margin (``redundant_seconds``, at least :data:`REARM_FLOOR_SECONDS`).
+
+        Chosen so (issue 13): the margin is what the rule keeps for clock error, so a
+        deadline moved later by less is noise the final save already budgeted for; a
+        loop that trains on past ``stop`` makes the top-up save for it, not a second
+        final save. A renewal moves the release by hours, far beyond it. A fixed number
+        of seconds would not fit a rule scaled down to seconds (tests, the demo).
+        """
+        return max(self.redundant_seconds, REARM_FLOOR_SECONDS)
+
     def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
         return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
 
@@ -419,8 +441,8 @@ class SavePolicy:
 
         ``covered_seconds``: how far beyond now the saves made for a deadline cover (see
         :meth:`covered_seconds`). The deadline is covered, and the policy disarmed, when
-        ``remaining_seconds <= covered_seconds``; a deadline moved later than that
-        re-arms it. A deadline brought earlier stays covered.
+        ``remaining_seconds <= covered_seconds + rearm_after_seconds()``; a deadline
+        moved later than that re-arms it. A deadline brought earlier stays covered.
 
         ``steps_after_final``: see :meth:`steps_after_final` (None: this policy's own).
         ``typical_step_seconds``: the step the top-up save budgets (see
@@ -446,7 +468,9 @@ class SavePolicy:
 
         if remaining_seconds is None:
             return decision(False, False, "no deadline known")
-        covered = covered_seconds is not None and remaining_seconds <= covered_seconds
+        covered = covered_seconds is not None and (
+            remaining_seconds <= covered_seconds + self.rearm_after_seconds()
+        )
         if covered:
             after = self._after_final if steps_after_final is None else steps_after_final
             typical = step_seconds if typical_step_seconds is None else typical_step_seconds
