@@ -6,6 +6,8 @@
 #     --env-file /etc/esi-sidecar/esi-sidecar.env -e ESI_SIDECAR_LISTEN=127.0.0.1:8791 \
 #     esi-sidecar:0.1.0
 #
+# With podman: `podman build --format docker ...` (the OCI format has no HEALTHCHECK).
+# tests/test_image.py builds both variants with podman and runs the entrypoint.
 # See docs/deploy.md. The host service (install.sh + systemd) is the first choice; this
 # image is for hosts that run everything in containers, and for Kubernetes
 # (deploy/kubernetes/daemonset.yaml).
@@ -27,7 +29,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN ./install.sh --venv-only --prefix /opt/esi-sidecar ${UPLOAD:+--upload}
 
 # ---- final: the venv on the same Python base, a non-root user, nothing else ----------
-# (The venv's bin/python links to /usr/local/bin/python3 of the same base image.)
+# (The venv's bin/python links to the base image's python3: both stages share the base.)
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="esi-sidecar" \
       org.opencontainers.image.description="Serves the time left before this Volcengine ESI machine is released" \
