@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import timezone
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ def test_defaults() -> None:
     assert settings.sources == ("auto",)
     assert settings.metadata_url == "http://100.96.0.96"
     assert settings.effective_stale_after == 90.0
-    assert settings.naive_timezone is timezone.utc
+    assert settings.naive_timezone is None  # each source's own zone (issue 13)
     assert settings.state_file is None
 
 
@@ -38,10 +37,57 @@ def test_flag_wins_over_environment_which_wins_over_default() -> None:
 
 
 def test_several_listen_addresses_comma_separated_or_repeated() -> None:
-    env = {"ESI_SIDECAR_LISTEN": "127.0.0.1:8791, 172.17.0.1:8791"}
+    env = {"ESI_SIDECAR_LISTEN": "127.0.0.1:8791, 172.17.0.1:8791", "ESI_SIDECAR_TOKEN": TOKEN}
     assert load_settings({}, environ=env).listen == (("127.0.0.1", 8791), ("172.17.0.1", 8791))
     given = {"listen": ["127.0.0.1:1", "[::1]:2"]}
     assert load_settings(given, environ={}).listen == (("127.0.0.1", 1), ("::1", 2))
+
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:8791", "[::]:8791", "127.0.0.1:1,172.17.0.1:8791",
+                                    "10.0.0.5:8791", "my-host:8791"])
+def test_listening_beyond_loopback_needs_a_token(listen: str) -> None:
+    with pytest.raises(ConfigError, match=r"is beyond loopback.*ESI_SIDECAR_TOKEN") as caught:
+        load_settings({}, environ={"ESI_SIDECAR_LISTEN": listen})
+    assert "\n" not in str(caught.value)
+    settings = load_settings({}, environ={"ESI_SIDECAR_LISTEN": listen, "ESI_SIDECAR_TOKEN": TOKEN})
+    assert settings.token == TOKEN
+    assert TOKEN not in repr(settings)  # never printed
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:8791", "127.0.0.2:1", "[::1]:2", "localhost:3"])
+def test_loopback_needs_no_token(listen: str) -> None:
+    assert load_settings({}, environ={"ESI_SIDECAR_LISTEN": listen}).token is None
+
+
+@pytest.mark.parametrize(("token", "why"), [
+    ("short", "16 to 4096 characters, this one 5"),
+    ("0123456789abcdef 0123", "printable ASCII without spaces"),
+    ("0123456789abcdef\u00e9", "printable ASCII without spaces"),
+])
+def test_a_bad_token_is_refused_without_showing_it(token: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as caught:
+        load_settings({}, environ={"ESI_SIDECAR_TOKEN": token})
+    assert token not in str(caught.value) and "(hidden)" in str(caught.value)
+
+
+def test_the_token_file_must_be_private_and_hold_a_token(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o640)
+    with pytest.raises(ConfigError, match=r"readable or writable by others \(mode 0640\)"):
+        load_settings({"token_file": str(path)}, environ={})
+    path.chmod(0o600)
+    assert load_settings({"token_file": str(path)}, environ={}).token == TOKEN
+    path.write_text("")
+    with pytest.raises(ConfigError, match=r"--token-file.*this one 0"):
+        load_settings({"token_file": str(path)}, environ={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings({"token_file": str(tmp_path / "missing")}, environ={})
+    with pytest.raises(ConfigError, match="not both"):
+        load_settings({"token_file": str(path)}, environ={"ESI_SIDECAR_TOKEN": TOKEN})
 
 
 def test_sources_canonical_and_deduplicated() -> None:
@@ -153,3 +199,22 @@ def test_the_metadata_sources_keep_their_own_cadence_under_the_bound() -> None:
     cadence = {name: create_source(name, settings).poll_interval_seconds  # type: ignore[attr-defined]
                for name in settings.sources}
     assert cadence == {"aws": 2.0, "gcp": 1.0, "azure": 1.0}
+
+
+def test_a_static_deadline_without_an_offset_needs_a_time_zone() -> None:
+    # The operator's own input: refused at start-up rather than guessed, unless
+    # --timezone says which zone it is in.
+    given = {"source": ["static"], "expires_at": "2030-01-01 08:00"}
+    with pytest.raises(ConfigError) as info:
+        load_settings(given, environ={})
+    assert "--expires-at" in str(info.value) and "--timezone" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_settings({}, environ={"ESI_SIDECAR_SOURCE": "static",
+                                   "ESI_SIDECAR_EXPIRES_AT": "2030-01-01 08:00"})
+    assert "ESI_SIDECAR_EXPIRES_AT" in str(info.value)
+    settings = load_settings({**given, "timezone": "Asia/Shanghai"}, environ={})
+    from sidecar.host.sources.static import from_settings
+
+    observation = from_settings(settings).poll()
+    assert observation.expires_at_unix == 1893456000.0
+    assert observation.assumed_timezone == "Asia/Shanghai"

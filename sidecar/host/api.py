@@ -29,6 +29,7 @@ from pydantic import BaseModel, BeforeValidator
 from pydantic_core import PydanticCustomError
 
 from sidecar import __version__
+from sidecar.host.auth import RequireToken
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -120,7 +121,10 @@ def create_app(
     lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None,
     clock: Callable[[], float] = time.time,
     uploads: Optional[UploadsView] = None,
+    token: Optional[str] = None,
 ) -> FastAPI:
+    """The API over ``store``; with ``token``, peers beyond loopback must send it
+    (``sidecar.host.auth``)."""
     app = FastAPI(
         title="esi-sidecar",
         version=__version__,
@@ -226,6 +230,13 @@ def create_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(_HeadAsGet)
+    if token is not None:
+
+        def health() -> tuple[int, str]:
+            verdict = build_health(store.snapshot(), clock())
+            return (200 if verdict.ok else 503), verdict.status
+
+        app.add_middleware(RequireToken, token=token, health=health)  # outermost
     return app
 
 

@@ -116,7 +116,8 @@ def build_daemon(settings: Settings) -> Daemon:
             log.info("stopped; state flushed")
 
     app = create_app(store, lifespan=lifespan,
-                     uploads=uploader.tracker if uploader is not None else None)
+                     uploads=uploader.tracker if uploader is not None else None,
+                     token=settings.token)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
     return Daemon(settings, store, poller, app, connections, uploader, approver)
@@ -293,6 +294,9 @@ def run(settings: Settings, sockets: Optional[list[socket.socket]] = None) -> No
     daemon = build_daemon(settings)
     addresses = ", ".join(_format_address(sock) for sock in sockets)
     log.info("serving on %s (sources: %s)", addresses, ", ".join(settings.sources))
+    if settings.token is not None:
+        log.info("peers beyond loopback must send the token (Authorization: Bearer); "
+                 "loopback needs none")
     if daemon.connections.limit < MAX_CONNECTIONS:
         log.warning("open-file limit %d: at most %d connections at once (LimitNOFILE= "
                     "raises it)", open_files, daemon.connections.limit)

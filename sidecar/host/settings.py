@@ -71,6 +71,10 @@ class Settings:
     listen: tuple[tuple[str, int], ...] = field(
         default_factory=lambda: (parse_address(DEFAULT_LISTEN),)
     )
+    # Required from peers beyond loopback (sidecar.host.auth); from ESI_SIDECAR_TOKEN or
+    # read from token_file at load.
+    token: Optional[str] = field(default=None, repr=False)
+    token_file: Optional[Path] = None
     sources: tuple[str, ...] = ("auto",)
     instance_id: Optional[str] = None
     scheduled_instance_id: Optional[str] = None
@@ -82,7 +86,8 @@ class Settings:
     state_file: Optional[Path] = None
     log_level: str = "INFO"
     expires_at: Optional[str] = None
-    naive_timezone: tzinfo = field(default=timezone.utc)
+    # --timezone; None: each source reads a time without an offset in its platform's zone.
+    naive_timezone: Optional[tzinfo] = None
     # Checkpoint upload (sidecar.host.upload, docs/upload.md): off unless upload_to is set.
     upload_from: Optional[Path] = None
     upload_to: Optional[str] = None  # s3://bucket/prefix, checked at start
@@ -174,6 +179,12 @@ def _source_names(text: str) -> tuple[str, ...]:
     if not names:
         raise ValueError("no source given")
     return tuple(dict.fromkeys(canonical_name(name) for name in names))
+
+
+def _token(text: str) -> str:
+    from sidecar.host.auth import check_token
+
+    return check_token(text.strip())
 
 
 def _text(text: str) -> str:
@@ -297,6 +308,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
            f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
            "HOST:PORT", repeatable=True),
+    Option("token", _token, "the token a peer beyond loopback must send (Authorization: "
+           "Bearer); required to --listen on any address but loopback, 16 characters or "
+           "more (openssl rand -hex 16); environment only, never logged or served", "TOKEN",
+           env_only=True),
+    Option("token_file", Path, "read the token from this file instead (mode 600, readable "
+           "by the service only)", "PATH"),
     Option("source", _source_names, "where the deadline comes from: auto (default: every "
            "one of volcengine-esi, volcengine-events, aws, gcp, azure whose metadata service "
            "answers here), volcengine-esi (the ESI release), volcengine-events (ECS system "
@@ -325,8 +342,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
     Option("expires_at", _timestamp, "the deadline for the static source: RFC 3339 or Unix "
            "seconds / milliseconds", "TIME"),
-    Option("timezone", _zone, "time zone for timestamps that carry no offset (default UTC)",
-           "ZONE"),
+    Option("timezone", _zone, "time zone for timestamps that carry no offset (default: the "
+           "source's platform's, the earliest plausible: UTC+8 for the Volcengine API and "
+           "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, UTC for AWS, GCP and "
+           "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP; --expires-at needs an "
+           "offset unless this is set)", "ZONE"),
     Option("aws_imds_url", _url, f"AWS instance metadata service for the aws source "
            f"(default {DEFAULT_AWS_IMDS_URL})", "URL"),
     Option("aws_imdsv1", _boolean, "let the aws source fall back to IMDSv1 (no session "
@@ -454,11 +474,35 @@ def load_settings(
     if "state_file" not in values and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (several paths are colon-separated).
         values["state_file"] = Path(environ["STATE_DIRECTORY"].split(":")[0]) / "state.json"
+    if values.get("token_file") is not None:
+        if "token" in values:
+            raise ConfigError("set ESI_SIDECAR_TOKEN or --token-file (ESI_SIDECAR_TOKEN_FILE), "
+                              "not both")
+        from sidecar.host.auth import read_token_file
+
+        origin = given_as["token_file"][0]
+        try:
+            values["token"] = read_token_file(values["token_file"])
+        except ValueError as exc:
+            raise ConfigError(f"invalid {origin}: {exc}") from None
     settings = Settings(**values)
     _check(settings)
     if "poll_interval" in given_as:
         _check_poll_interval(settings, *given_as["poll_interval"])
+    if "static" in settings.sources and "expires_at" in given_as:
+        _check_static_zone(settings, *given_as["expires_at"])
     return settings
+
+
+def _check_static_zone(settings: Settings, origin: str, raw: str) -> None:
+    """The static deadline is the operator's own: without an offset it is refused, not
+    guessed, unless --timezone names the zone (issue 13)."""
+    if settings.naive_timezone is None and parse_timestamp(raw).assumed_timezone is not None:
+        raise ConfigError(
+            f"invalid {origin} value {raw!r}: it has no UTC offset; add one "
+            "(2030-01-01T08:00:00+08:00, or Z for UTC) or set --timezone "
+            f"({ENV_PREFIX}TIMEZONE)"
+        )
 
 
 def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:
@@ -500,6 +544,11 @@ def storage_options(settings: Settings) -> dict[str, Any]:
 
 
 def _check(settings: Settings) -> None:
+    from sidecar.host.auth import check_exposure
+
+    exposed = check_exposure(settings.listen, settings.token)
+    if exposed is not None:
+        raise ConfigError(exposed)
     if "static" in settings.sources and settings.expires_at is None:
         raise ConfigError(
             "the static source needs a deadline: --expires-at TIME or ESI_SIDECAR_EXPIRES_AT"

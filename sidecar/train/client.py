@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 
 from sidecar.models import DEFAULT_LISTEN, Expiry
 
-__all__ = ["DEFAULT_TIMEOUT_SECONDS", "DEFAULT_URL", "ENV_URL", "SidecarClient"]
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "SidecarClient"]
 
 logger = logging.getLogger("sidecar.train.client")
 
@@ -37,6 +37,9 @@ DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 # about a millisecond.
 DEFAULT_TIMEOUT_SECONDS = 0.2
 ENV_URL = "ESI_SIDECAR_URL"
+# The daemon's token, sent as "Authorization: Bearer ..." when set: a daemon listening
+# beyond loopback (a container on a bridge network) requires it; loopback needs none.
+ENV_TOKEN = "ESI_SIDECAR_TOKEN"
 EXPIRY_PATH = "/v1/expiry"
 UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
 # /v1/expiry is a few hundred bytes; anything much larger is not our daemon.
@@ -114,7 +117,7 @@ class _BoundedSocket:
 class _Endpoint:
     """One daemon URL with its keep-alive connection (reopened after any failure)."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, token: Optional[str] = None) -> None:
         parts = urllib.parse.urlsplit(url.strip())
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http:// URL: {url!r}")
@@ -130,6 +133,9 @@ class _Endpoint:
         self._timeout = timeout
         self._deadline = _Deadline()
         self._connection: Optional[http.client.HTTPConnection] = None
+        self._headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         # The last answer that carried a deadline; forgotten only when the daemon says,
         # freshly, that none is scheduled (see SidecarClient.expiry).
         self.known: Optional[Expiry] = None
@@ -174,7 +180,7 @@ class _Endpoint:
                 connection.request(
                     "GET",
                     self._base_path + path,
-                    headers={"Accept": "application/json", "User-Agent": _USER_AGENT},
+                    headers=self._headers,
                 )
                 self._quick_ack(connection)
                 response = connection.getresponse()
@@ -192,6 +198,10 @@ class _Endpoint:
                 self.close()  # unread bytes or a closing peer: do not reuse
             if len(body) > _MAX_BODY_BYTES:
                 raise _FetchError(f"{self.url}: response larger than {_MAX_BODY_BYTES} bytes")
+            if response.status == 401:
+                wanted = "a token" if "Authorization" not in self._headers else "another token"
+                raise _FetchError(f"{self.url}: HTTP 401 from {path}: the daemon wants {wanted} "
+                                  f"(set {ENV_TOKEN} to the daemon's)")
             if response.status != 200:
                 raise _FetchError(f"{self.url}: HTTP {response.status} from {path}")
             try:
@@ -227,6 +237,26 @@ def _with_slowest_upload(chosen: Expiry, answers: list[Expiry]) -> Expiry:
                    upload_status=status)
 
 
+def _check_token(token: str) -> str:
+    """A token fit for one header line: printable ASCII without spaces, else ValueError
+    (which never shows the token itself)."""
+    if not isinstance(token, str) or not token or not all(33 <= ord(c) <= 126 for c in token):
+        raise ValueError("token must be non-empty printable ASCII without spaces")
+    return token
+
+
+def _token_from_environment() -> Optional[str]:
+    value = os.environ.get(ENV_TOKEN, "").strip()
+    if not value:
+        return None
+    try:
+        return _check_token(value)
+    except ValueError as exc:
+        # Outside data: never crash the training loop on it; the daemon will say 401.
+        logger.warning("ignoring %s: %s", ENV_TOKEN, exc)
+        return None
+
+
 def _split_urls(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
@@ -241,12 +271,17 @@ class SidecarClient:
     the stall when a daemon hangs. ``http.client`` reads no proxy variables, so an
     ``http_proxy`` set for downloads never captures loopback traffic.
 
+    ``token``: sent as ``Authorization: Bearer <token>`` to every daemon; default
+    ``$ESI_SIDECAR_TOKEN`` (unset: none). A daemon listening beyond loopback requires it
+    (docs/deploy.md, "Containers"); on loopback none is needed.
+
     Not thread-safe: use one client per thread.
     """
 
     def __init__(
         self, url: Union[str, Sequence[str], None] = None,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        token: Optional[str] = None,
     ) -> None:
         if (
             isinstance(timeout, bool)
@@ -255,12 +290,17 @@ class SidecarClient:
         ):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.timeout = float(timeout)
+        if token is not None:
+            # The caller's own argument: refuse a bad one here, at start-up.
+            self._token: Optional[str] = _check_token(token)
+        else:
+            self._token = _token_from_environment()
         if url is not None:
             urls = _split_urls(url) if isinstance(url, str) else [u.strip() for u in url]
             if not urls:
                 raise ValueError(f"url names no daemon: {url!r}")
             # The caller's own argument: a typo should fail here, at start-up.
-            self._endpoints = [_Endpoint(u, self.timeout) for u in urls]
+            self._endpoints = [_Endpoint(u, self.timeout, self._token) for u in urls]
         else:
             self._endpoints = self._endpoints_from_environment()
         self.last_error: Optional[str] = None
@@ -274,11 +314,11 @@ class SidecarClient:
         endpoints = []
         for candidate in _split_urls(os.environ.get(ENV_URL, "")):
             try:
-                endpoints.append(_Endpoint(candidate, self.timeout))
+                endpoints.append(_Endpoint(candidate, self.timeout, self._token))
             except ValueError as exc:
                 # The environment is outside data: never crash the training loop on it.
                 logger.warning("ignoring %s entry: %s", ENV_URL, exc)
-        return endpoints or [_Endpoint(DEFAULT_URL, self.timeout)]
+        return endpoints or [_Endpoint(DEFAULT_URL, self.timeout, self._token)]
 
     @property
     def urls(self) -> tuple[str, ...]:
