@@ -8,8 +8,9 @@ Accepted:
 - Unix time as a number or a numeric string, in seconds or milliseconds, told apart
   by magnitude (AWS documents its capacity-block timestamp in seconds on one page and
   in milliseconds on another, so we must accept both);
-- a naive date-time (no offset), read in a configured time zone (default UTC); the
-  result says which zone was assumed so callers can report it;
+- a naive date-time (no offset), read in a given time zone (default UTC); the result
+  says which zone was assumed so callers can report it. Each source passes its platform's
+  zone (``VOLCENGINE_TIMEZONE``, UTC for AWS and GCP) unless the daemon is told one;
 - with :func:`parse_http_date`, RFC 1123 / RFC 2822 dates (``Mon, 19 Sep 2016 18:29:47
   GMT``, ``21 Jan 2019 09:00:43 GMT``), as AWS maintenance events and Azure Scheduled
   Events write them.
@@ -25,6 +26,7 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Optional, Union
 
 __all__ = [
+    "VOLCENGINE_TIMEZONE",
     "ParsedTime",
     "TimestampError",
     "format_rfc3339",
@@ -52,6 +54,12 @@ _ISO = re.compile(
     \s*$""",
     re.VERBOSE,
 )
+# A time without an offset is read in the zone that makes it the earliest instant its
+# platform could mean, so that a wrong guess saves early, never late (issue 13: read as UTC,
+# a Beijing time came 8 h late). Volcengine writes +08:00 (Beijing time) in its OpenAPI
+# answers and for its ML platform, and each of its regions lies at UTC+8 or west of it.
+VOLCENGINE_TIMEZONE = timezone(timedelta(hours=8))  # named "UTC+08:00"
+
 _NUMBER = re.compile(r"^\s*[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*$")
 
 

@@ -210,3 +210,22 @@ def test_a_buggy_source_is_reported_by_type_and_place_never_by_its_text(
     error = store.expiry().error or ""
     assert "RuntimeError" in error and "test_poller.py:" in error
     assert "AKLTsecret123" not in error and "AKLTsecret123" not in caplog.text
+
+
+def test_a_time_without_an_offset_is_read_in_its_platforms_zone_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # MLP_... is the Volcengine ML platform's (UTC+8, the earliest plausible reading);
+    # SageMaker's AWS writes UTC.
+    poller, store = make({MLP: "2030-01-01 08:00:00"})
+    source = poller._sources[0]
+    caplog.set_level(logging.INFO, logger="sidecar.host.poller")
+    for _ in range(3):
+        poller.poll_once(source)
+    expiry = store.expiry()
+    assert expiry.expires_at == "2030-01-01T00:00:00Z" and expiry.assumed_timezone == "UTC+08:00"
+    said = [r.getMessage() for r in caplog.records if "without a UTC offset" in r.getMessage()]
+    assert len(said) == 1 and "UTC+08:00" in said[0] and "--timezone" in said[0], said
+    sagemaker = EnvSource(environ={"SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP":
+                                   "2030-01-01 08:00:00"}).poll()
+    assert sagemaker.expires_at_unix == 1893484800.0 and sagemaker.assumed_timezone == "UTC"

@@ -203,6 +203,21 @@ def test_timestamp_formats(
     assert observation.assumed_timezone == assumed
 
 
+@pytest.mark.parametrize("served", ["2026-12-01 00:00:00", "2026-12-01T00:00:00",
+                                    "2026/12/01 00:00:00"])
+def test_a_time_without_an_offset_is_read_in_beijing_time_unless_told(
+        emu: Emulator, served: str) -> None:
+    # The API writes +08:00 and every Volcengine region lies at UTC+8 or west of it: read
+    # as UTC (the old default) a naive release came 8 h late; as UTC+8 it is the earliest
+    # plausible instant. --timezone still decides when it is set.
+    emu.set_release(served)
+    observation = source_for(emu, naive_timezone=None).poll()
+    assert observation.expires_at_unix == RELEASE_UNIX
+    assert observation.assumed_timezone == "UTC+08:00"
+    told = source_for(emu, naive_timezone=timezone.utc).poll()
+    assert told.expires_at_unix == RELEASE_UNIX + 8 * 3600 and told.assumed_timezone == "UTC"
+
+
 @pytest.mark.parametrize("served", ["not-a-time", "Dec 2026", "08:00", "2026-13-45T00:00:00Z"])
 def test_unparseable_release_names_the_value(emu: Emulator, served: str) -> None:
     emu.set_release(served)

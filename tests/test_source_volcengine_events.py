@@ -128,6 +128,19 @@ def test_the_dotted_form_and_an_esi_auto_release_are_understood() -> None:
     assert notice.expires_at_unix == noon_beijing
 
 
+def test_an_event_time_without_an_offset_is_read_in_beijing_time() -> None:
+    event = {"Id": "e-3", "Type": "SystemMaintenance_Redeploy", "Status": "Scheduled",
+             "CreatedAt": "2026-12-01T10:00:00+08:00", "OperatedStartAt": "2026-12-01 12:00:00"}
+    assumed: set[str] = set()
+    notice = event_notice(event, first_seen=0.0, assumed=assumed)
+    noon_beijing = datetime(2026, 12, 1, 4, 0, tzinfo=timezone.utc).timestamp()
+    assert notice is not None and notice.expires_at_unix == noon_beijing
+    assert assumed == {"UTC+08:00"}
+    with_offsets = event_notice(dict(event, OperatedStartAt="2026-12-01T12:00:00+08:00"),
+                                first_seen=0.0, assumed=(none := set()))
+    assert with_offsets is not None and none == set()
+
+
 def test_without_any_time_the_deadline_counts_from_first_seen() -> None:
     event = {"Id": "e-2", "Type": "SystemFailure_Redeploy", "Status": "Scheduled"}
     notice = event_notice(event, first_seen=1_900_000_000.0)

@@ -84,6 +84,7 @@ class Poller:
         self._last_logged_error: dict[str, Optional[str]] = {}
         self._vanished: dict[str, int] = {}  # polls in a row without the known deadline
         self._last_absent: dict[str, str] = {}  # why auto found a source absent, as logged
+        self._said_zone: dict[str, str] = {}  # the zone read into offset-less times, as logged
         #: Set once every source has been polled at least once (systemd READY=1).
         self.first_attempt_done = threading.Event()
 
@@ -138,9 +139,18 @@ class Poller:
             if changed:
                 log.info("source %s: %s", source.name, _describe(observation))
                 self.save()
+            self._say_zone(source.name, observation.assumed_timezone)
             delay = next_delay(self._interval_of(source), 0, rng=self._rng)
         self._mark_attempted(source.name)
         return delay
+
+    def _say_zone(self, name: str, zone: Optional[str]) -> None:
+        """Once per source and zone: a time came without an offset and was read in ``zone``
+        (the source's platform's, the earliest plausible, unless --timezone set one)."""
+        if zone and self._said_zone.get(name) != zone:
+            log.warning("source %s gave a time without a UTC offset: read as %s (the "
+                        "source's own zone unless --timezone sets one)", name, zone)
+            self._said_zone[name] = zone
 
     def _interval_of(self, source: Source) -> float:
         """A source that must be polled on its own cadence says so (the aws source: every

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from datetime import timezone
 from typing import Any, Callable, Optional
 
 import urllib3
@@ -176,7 +177,8 @@ def _spot_time(notice: Any) -> float:
     if not isinstance(notice, dict) or "time" not in notice:
         raise SourceError(f"IMDS spot instance-action without a time: {clip(notice)}")
     try:
-        return parse_timestamp(notice["time"]).unix
+        # EC2 documents UTC ("2015-01-05T18:02:00Z"): a time without an offset is UTC.
+        return parse_timestamp(notice["time"], naive_timezone=timezone.utc).unix
     except TimestampError as exc:
         raise SourceError(f"IMDS spot instance-action: {exc}") from None
 

@@ -10,32 +10,43 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import timezone, tzinfo
 from typing import Any, Optional
 
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.models import KIND_SCHEDULED_RELEASE
-from sidecar.timeparse import TimestampError, parse_timestamp
+from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 
 ENV_NAMES = (
     "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
     "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
 )
+# A date-time without an offset is read in its platform's zone (issue 13): Volcengine's
+# (UTC+8, the earliest reading), and UTC for AWS, whose services write UTC.
+NAIVE_TIMEZONES: dict[str, tzinfo] = {
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": VOLCENGINE_TIMEZONE,
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": timezone.utc,
+}
 
 
 class EnvSource:
     name = "env"
 
-    def __init__(self, environ: Optional[Mapping[str, str]] = None, **parse_options: Any) -> None:
+    def __init__(self, environ: Optional[Mapping[str, str]] = None,
+                 naive_timezone: Optional[tzinfo] = None) -> None:
+        """``naive_timezone``: the zone for times without an offset (--timezone); None:
+        each variable's platform's (``NAIVE_TIMEZONES``)."""
         self._environ = os.environ if environ is None else environ
-        self._parse_options = parse_options
+        self._naive_timezone = naive_timezone
 
     def poll(self) -> Observation:
         for env_name in ENV_NAMES:
             value = self._environ.get(env_name, "").strip()
             if not value:
                 continue
+            zone = self._naive_timezone or NAIVE_TIMEZONES[env_name]
             try:
-                parsed = parse_timestamp(value, **self._parse_options)
+                parsed = parse_timestamp(value, naive_timezone=zone)
             except TimestampError as exc:
                 raise SourceError(f"{env_name}: {exc}") from None
             return Observation(

@@ -52,6 +52,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timezone
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
@@ -349,7 +350,9 @@ def _window_start(body: str) -> Optional[float]:
         return None  # nothing announced ("no notifications have been received yet")
     start = window.get("window_start_time", window.get("windowStartTime"))
     try:
-        return parse_timestamp(start if isinstance(start, str) else "").unix
+        # GCE writes RFC 3339 in UTC: a time without an offset is UTC.
+        text = start if isinstance(start, str) else ""
+        return parse_timestamp(text, naive_timezone=timezone.utc).unix
     except TimestampError as exc:
         raise SourceError(f"GCE metadata {UPCOMING_KEY}: window start: {exc}") from None
 

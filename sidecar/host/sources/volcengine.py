@@ -8,7 +8,9 @@ One poll asks the ECS OpenAPI, through the official SDK (``volcenginesdkecs``):
 3. ``DescribeScheduledInstances`` -> ``AutoReleaseAt``, every poll.
 
 A source polls once and never sleeps or retries across polls: the poller owns the
-schedule and the backoff, so the SDK's own retries are switched off. Every failure
+schedule and the backoff, so the SDK's own retries are switched off. A time without an
+offset is read as UTC+8, the API's own zone and the earliest reading (``--timezone`` sets
+another); the observation says so in ``assumed_timezone``. Every failure
 becomes one :class:`SourceError` line with credentials removed.
 """
 
@@ -23,13 +25,13 @@ import re
 import threading
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone, tzinfo
+from datetime import datetime, tzinfo
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from sidecar.host.sources.base import Observation, SourceError, where
 from sidecar.models import DEFAULT_METADATA_URL, KIND_SCHEDULED_RELEASE
-from sidecar.timeparse import ParsedTime, TimestampError, parse_timestamp
+from sidecar.timeparse import VOLCENGINE_TIMEZONE, ParsedTime, TimestampError, parse_timestamp
 
 __all__ = ["VolcengineEsiSource", "build_options", "from_settings", "probe"]
 
@@ -95,7 +97,7 @@ class VolcengineEsiSource:
         region: Optional[str] = None,
         api_endpoint: Optional[str] = None,
         metadata_url: str = DEFAULT_METADATA_URL,
-        naive_timezone: tzinfo = timezone.utc,
+        naive_timezone: tzinfo = VOLCENGINE_TIMEZONE,
         connect_timeout: float = 5.0,
         read_timeout: float = 5.0,
         metadata_timeout: float = 2.0,
@@ -466,7 +468,8 @@ def build_options(settings: Any) -> dict[str, Any]:
         "region": getattr(settings, "region", None),
         "api_endpoint": getattr(settings, "api_endpoint", None),
         "metadata_url": getattr(settings, "metadata_url", None) or DEFAULT_METADATA_URL,
-        "naive_timezone": getattr(settings, "naive_timezone", None) or timezone.utc,
+        # None: not set (--timezone), so the API's own zone.
+        "naive_timezone": getattr(settings, "naive_timezone", None) or VOLCENGINE_TIMEZONE,
     }
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import datetime, tzinfo
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -47,7 +47,7 @@ from sidecar.models import (
     Notice,
     observation_from_notices,
 )
-from sidecar.timeparse import TimestampError, parse_timestamp
+from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 
 __all__ = ["VolcengineEventsSource", "event_notice", "from_settings", "probe"]
 
@@ -59,7 +59,6 @@ PAGE_SIZE = 100
 MAX_PAGES = 5
 SPOT_NOTICE_SECONDS = 300.0  # the spot interruption event comes 5 min before the reclaim
 ENDED = frozenset({"Succeeded", "Failed", "Rejected", "Canceled", "Cancelled", "Recovered"})
-_BEIJING = timezone(timedelta(hours=8))  # the zone the service writes its times in
 
 # Exact types first; then the suffix after the last "_" decides.
 _TYPE_KINDS = {
@@ -98,25 +97,28 @@ class VolcengineEventsSource(VolcengineEsiSource):
         now = self._clock()
         notices = []
         seen = set()
+        assumed: set[str] = set()  # zones read into times without an offset
         for event in self._events(self._instance_id, now):
             event_id = str(_field(event, "id") or "")
             seen.add(event_id)
             first_seen = self._first_seen.setdefault(event_id, now)
-            notice = event_notice(event, first_seen, self._naive_timezone)
+            notice = event_notice(event, first_seen, self._naive_timezone, assumed=assumed)
             if notice is not None:
                 notices.append(notice)
         self._first_seen = {k: v for k, v in self._first_seen.items() if k in seen}
-        return observation_from_notices(notices, instance_id=self._instance_id)
+        return observation_from_notices(notices, instance_id=self._instance_id,
+                                        assumed_timezone=", ".join(sorted(assumed)) or None)
 
     def _events(self, instance_id: str, now: float) -> list[Any]:
         import volcenginesdkecs
 
-        start = datetime.fromtimestamp(now - LOOKBACK_SECONDS, _BEIJING).isoformat("T", "seconds")
+        start = datetime.fromtimestamp(now - LOOKBACK_SECONDS, VOLCENGINE_TIMEZONE)
+        start_text = start.isoformat("T", "seconds")
         events: list[Any] = []
         token = ""
         for _ in range(MAX_PAGES):
             request = volcenginesdkecs.DescribeSystemEventsRequest(
-                resource_ids=[instance_id], created_at_start=start,
+                resource_ids=[instance_id], created_at_start=start_text,
                 max_results=str(PAGE_SIZE), next_token=token or None,
             )
             response = self._call(ACTION, partial(_describe, request=request))
@@ -137,9 +139,12 @@ def _describe(api: Any, request: Any) -> Any:
 
 
 def event_notice(event: Any, first_seen: float,
-                 naive_timezone: tzinfo = timezone.utc) -> Optional[Notice]:
+                 naive_timezone: tzinfo = VOLCENGINE_TIMEZONE, *,
+                 assumed: Optional[set[str]] = None) -> Optional[Notice]:
     """The notice one system event gives, None for an event that does not concern the
-    instance's end (or has ended); SourceError for a time that is not a time."""
+    instance's end (or has ended); SourceError for a time that is not a time. A time
+    without an offset is read in ``naive_timezone`` (the service's own, UTC+8) and the
+    zone added to ``assumed``."""
     event_type = str(_field(event, "type") or "").replace(".", "_")
     status = str(_field(event, "status") or "")
     if not event_type or status in ENDED:
@@ -151,21 +156,25 @@ def event_notice(event: Any, first_seen: float,
         if action in _ADVICE:
             return Notice(KIND_MAINTENANCE, None, advisory=True, detail=detail)
         return None
-    when = _time(event, "operated_start_at", naive_timezone)
+    when = _time(event, "operated_start_at", naive_timezone, assumed)
     if when is None:
-        created = _time(event, "created_at", naive_timezone)
+        created = _time(event, "created_at", naive_timezone, assumed)
         # No time to act given: the spot rule (five minutes after the event), counted
         # from the event's creation when known, else from when we first saw it.
         when = (created if created is not None else first_seen) + SPOT_NOTICE_SECONDS
     return Notice(kind, when, detail=detail)
 
 
-def _time(event: Any, name: str, naive_timezone: tzinfo) -> Optional[float]:
+def _time(event: Any, name: str, naive_timezone: tzinfo,
+          assumed: Optional[set[str]]) -> Optional[float]:
     value = _field(event, name)
     if value is None or not str(value).strip():
         return None
     try:
-        return parse_timestamp(str(value), naive_timezone=naive_timezone).unix
+        parsed = parse_timestamp(str(value), naive_timezone=naive_timezone)
+        if parsed.assumed_timezone and assumed is not None:
+            assumed.add(parsed.assumed_timezone)
+        return parsed.unix
     except TimestampError as exc:
         wire = "".join(part.title() for part in name.split("_"))
         raise SourceError(f"{ACTION}: event {_field(event, 'id')} {wire}: {exc}") from None
