@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import fetch_json, wait_for
 
-from sidecar.host.settings import OPTIONS
+from sidecar.host.settings import OPTIONS, ConfigError, load_settings
 from sidecar.train.deadline import env_deadline
 
 REPO = Path(__file__).resolve().parent.parent
@@ -664,6 +664,13 @@ def test_kubernetes_daemonset() -> None:
     env = {item["name"]: item for item in container["env"]}
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     assert env["ESI_SIDECAR_LISTEN"]["value"] == "127.0.0.1:8791,$(HOST_IP):8791"
+    # The node's IP is beyond loopback: the daemon would refuse to start without the token,
+    # which comes from a Secret.
+    node_listen = env["ESI_SIDECAR_LISTEN"]["value"].replace("$(HOST_IP)", "10.1.2.3")
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        load_settings({}, environ={"ESI_SIDECAR_LISTEN": node_listen})
+    assert env["ESI_SIDECAR_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "esi-sidecar-token", "key": "token"}
     assert set(container["resources"]) == {"requests", "limits"}
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
