@@ -469,6 +469,13 @@ def test_env_deadline_seconds_milliseconds_rfc3339(value: str, expected: float) 
     assert env_deadline({SAGEMAKER: value}) == pytest.approx(expected)
 
 
+def test_env_deadline_reads_a_time_without_an_offset_in_its_platforms_zone() -> None:
+    # As the daemon's env source does: Volcengine's ML platform writes Beijing time (UTC+8,
+    # the earliest reading; as UTC it came 8 h late), SageMaker's AWS writes UTC.
+    assert env_deadline({MLP: "2030-01-01 08:00:00"}) == 1_893_456_000.0
+    assert env_deadline({SAGEMAKER: "2030-01-01 08:00:00"}) == 1_893_484_800.0
+
+
 def test_env_deadline_order_and_absence() -> None:
     assert env_deadline({}) is None
     assert env_deadline({MLP: "  "}) is None

@@ -12,9 +12,10 @@ import os
 import threading
 import time
 from collections.abc import Mapping
+from datetime import timezone
 from typing import Callable, Optional
 
-from sidecar.timeparse import TimestampError, parse_timestamp
+from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 from sidecar.train.client import SidecarClient
 from sidecar.train.policy import check_seconds
 
@@ -39,6 +40,12 @@ ENV_DEADLINE_VARIABLES = (
     "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
     "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP",
 )
+# A date-time without an offset is read in its platform's zone, as the daemon's env source
+# does (issue 13): Beijing time for Volcengine (the earliest reading), UTC for AWS.
+_NAIVE_TIMEZONES = {
+    "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": VOLCENGINE_TIMEZONE,
+    "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": timezone.utc,
+}
 
 
 def env_deadline(environ: Mapping[str, str] = os.environ) -> Optional[float]:
@@ -46,15 +53,16 @@ def env_deadline(environ: Mapping[str, str] = os.environ) -> Optional[float]:
 
     Reads ``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``, then
     ``SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``: Unix seconds or
-    milliseconds (told apart by magnitude) or RFC 3339. A value that does not parse is
-    skipped with one warning per call, never raised: it is outside data.
+    milliseconds (told apart by magnitude) or RFC 3339; without an offset, Beijing time
+    for the first, UTC for the second. A value that does not parse is skipped with one
+    warning per call, never raised: it is outside data.
     """
     for name in ENV_DEADLINE_VARIABLES:
         value = environ.get(name)
         if value is None or not value.strip():
             continue
         try:
-            return parse_timestamp(value).unix
+            return parse_timestamp(value, naive_timezone=_NAIVE_TIMEZONES[name]).unix
         except TimestampError as exc:
             logger.warning("ignoring %s: %s", name, exc)
     return None
