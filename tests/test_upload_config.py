@@ -4,6 +4,10 @@ the storage client's choices (addressing style, TOS region) made without a reque
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,7 +74,7 @@ def test_secrets_have_no_flag_and_never_appear_in_errors() -> None:
     assert "upload_to" in flags
     secret_rows = [option for option in OPTIONS if option.env_only]
     assert {option.env for option in secret_rows} == {
-        "ESI_SIDECAR_UPLOAD_ACCESS_KEY", "ESI_SIDECAR_UPLOAD_SECRET_KEY"}
+        "ESI_SIDECAR_UPLOAD_ACCESS_KEY", "ESI_SIDECAR_UPLOAD_SECRET_KEY", "ESI_SIDECAR_TOKEN"}
     with pytest.raises(ConfigError) as caught:
         load_settings({}, environ={"ESI_SIDECAR_UPLOAD_SECRET_KEY": SECRET})
     assert SECRET not in str(caught.value)
@@ -101,3 +105,26 @@ def test_storage_choices_without_a_request(monkeypatch: pytest.MonkeyPatch) -> N
                                        access_key="AK", secret_key=SECRET))
     assert client.meta.region_name == "cn-beijing"
     assert SECRET not in repr(StorageConfig(access_key="AK", secret_key=SECRET))
+
+
+def test_upload_settings_without_the_upload_extra_stop_start_up_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """A [server]-only install (or image) given --upload-to: one line naming the extra, not
+    a ModuleNotFoundError traceback. boto3 is made unimportable in that process only."""
+    script = (
+        "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
+        "from sidecar.cli import main; sys.exit(main())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ESI_SIDECAR_")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, "serve", "--source", "static",
+         "--expires-at", "2030-01-01T00:00:00Z", "--listen", "127.0.0.1:0",
+         "--upload-from", str(tmp_path), "--upload-to", "s3://bucket/prefix"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "esi-sidecar serve:" in line]
+    assert errors == ["esi-sidecar serve: --upload-to needs the [upload] extra (boto3 is not "
+                      "installed): pip install 'esi-sidecar[server,upload]', install.sh "
+                      "--upload, or the image built with --build-arg UPLOAD=1"], result.stderr
+    assert "Traceback" not in result.stderr

@@ -34,7 +34,7 @@ from sidecar.host.connections import (
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
-from sidecar.host.settings import Settings, storage_options
+from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, CANDIDATES, PROBE_TIMEOUT_SECONDS, ProbedSource
 from sidecar.host.sources.base import Source, where
 from sidecar.host.sources.registry import create_source, probe_source
@@ -126,10 +126,16 @@ def build_daemon(settings: Settings) -> Daemon:
 def _build_uploader(settings: Settings, store: Store) -> Any:
     """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
     a daemon without upload settings never loads boto3."""
-    from sidecar.host.upload.location import parse_destination
-    from sidecar.host.upload.storage import StorageConfig
-    from sidecar.host.upload.uploader import Uploader, UploaderConfig
-    from sidecar.host.upload.volume import VolumeDestination
+    try:
+        from sidecar.host.upload.location import parse_destination
+        from sidecar.host.upload.storage import StorageConfig
+        from sidecar.host.upload.uploader import Uploader, UploaderConfig
+        from sidecar.host.upload.volume import VolumeDestination
+    except ImportError as exc:  # a [server]-only install (or image) given upload settings
+        raise ConfigError(
+            f"--upload-to needs the [upload] extra ({exc.name or exc} is not installed): "
+            "pip install 'esi-sidecar[server,upload]', install.sh --upload, or the image "
+            "built with --build-arg UPLOAD=1") from None
 
     def remaining_seconds() -> Optional[float]:
         return store.expiry().remaining_seconds
