@@ -38,8 +38,9 @@ COPY --from=builder /opt/esi-sidecar /opt/esi-sidecar
 COPY deploy/healthcheck.py /opt/esi-sidecar/healthcheck.py
 # ESI_SIDECAR_LISTEN=0.0.0.0:8791: in the container's own network namespace 127.0.0.1
 # is the container alone, so a published port (-p 127.0.0.1:8791:8791) or another
-# container could never reach it. Who may connect is decided outside: by -p on the
-# host, or by setting 127.0.0.1:8791 with --network host (docs/deploy.md).
+# container could never reach it. Being beyond loopback, it needs ESI_SIDECAR_TOKEN (the
+# daemon refuses to start without it; peers send it as a bearer token), unless
+# ESI_SIDECAR_LISTEN=127.0.0.1:8791 is set with --network host (docs/deploy.md).
 ENV PATH=/opt/esi-sidecar/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -325,6 +325,20 @@ def test_image_size_against_the_base(built: Built, base: Base,
     assert 0 < added_mb <= MAX_ADDED_MB[built.variant], line
 
 
+def test_the_images_default_address_needs_a_token(built: Built, tmp_path: Path) -> None:
+    """ESI_SIDECAR_LISTEN=0.0.0.0:8791 (the image's own) is beyond loopback: without
+    ESI_SIDECAR_TOKEN the entrypoint stops at once with one line, binding nothing."""
+    assert built.environ["ESI_SIDECAR_LISTEN"] == "0.0.0.0:8791"
+    command = in_image(built, *built.config["Entrypoint"], *(built.config.get("Cmd") or []))
+    environ = image_environ(built, ESI_SIDECAR_SOURCE="static",
+                            ESI_SIDECAR_EXPIRES_AT="2030-01-01T00:00:00Z")
+    environ.pop("ESI_SIDECAR_TOKEN", None)
+    result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "--listen 0.0.0.0:8791 is beyond loopback" in lines[0], lines
+
+
 def test_entrypoint_serves_as_the_images_user(
     built: Built, emulator: Emulator, unused_port: int, tmp_path: Path
 ) -> None:
