@@ -91,6 +91,19 @@ def test_decision_never_asks_to_save_after_the_deadline() -> None:
         assert body["save_now"] is False and body["remaining_seconds"] < 0
 
 
+def test_a_release_long_past_is_served_with_an_error_and_healthz_degraded() -> None:
+    past = time.time() - 600
+    with serve_daemon(sources=("static",), expires_at=format_rfc3339(past)) as daemon:
+        wait_for(lambda: daemon.store.snapshot().sources[0].observed_at_unix)
+        _, body = get_json(daemon.url + "/v1/expiry")
+        status, health = get_json(daemon.url + "/healthz")
+        _, decision = get_json(daemon.url + "/v1/decision?step_seconds=80")
+    assert body["expires_at_unix"] == pytest.approx(past) and body["remaining_seconds"] < -590
+    assert "passed" in body["error"] and body["stale"] is False
+    assert status == 503 and health["status"] == "degraded" and "passed" in health["reason"]
+    assert decision["save_now"] is False and decision["remaining_seconds"] < -590
+
+
 @pytest.mark.parametrize(
     ("query", "fragment"),
     [

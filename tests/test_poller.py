@@ -229,3 +229,16 @@ def test_a_time_without_an_offset_is_read_in_its_platforms_zone_and_said_once(
     sagemaker = EnvSource(environ={"SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP":
                                    "2030-01-01 08:00:00"}).poll()
     assert sagemaker.expires_at_unix == 1893484800.0 and sagemaker.assumed_timezone == "UTC"
+
+
+def test_a_deadline_long_past_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    poller, store = make({MLP: str(int(time.time()) - 600)})
+    caplog.set_level(logging.INFO, logger="sidecar.host.poller")
+    for _ in range(3):
+        poller.poll_once(poller._sources[0])
+    said = [r for r in caplog.records if "passed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "clock" in said[0].getMessage(), said[0].getMessage()
+    assert store.expiry().remaining_seconds is not None and store.health().status == "degraded"

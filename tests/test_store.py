@@ -119,6 +119,21 @@ def test_a_deadline_long_past_is_reported_not_served_and_a_good_one_wins() -> No
     assert [n["remaining_seconds"] for n in expiry.notices] == [-300, 3600, 7200]
 
 
+def test_a_deadline_long_past_with_nothing_better_is_served_but_never_as_healthy() -> None:
+    # The machine should be gone: the source's answer or this host's clock is wrong. The
+    # deadline is still served (it used to be hidden, which a client reads as "nothing
+    # scheduled"), and the answer and /healthz say what is wrong.
+    store = Store(["volcengine-esi"], stale_after=90)
+    store.record_success("volcengine-esi", obs(RELEASE), at=RELEASE + 600)
+    expiry = store.expiry(now=RELEASE + 600)
+    assert expiry.expires_at_unix == RELEASE and expiry.remaining_seconds == -600
+    assert expiry.kind == "scheduled-release" and expiry.source == "volcengine-esi"
+    assert expiry.error is not None and "passed 600 s ago" in expiry.error
+    assert "clock" in expiry.error and "not served" not in expiry.error
+    health = store.health(now=RELEASE + 600)
+    assert health.status == "degraded" and "passed 600 s ago" in (health.reason or "")
+
+
 def test_a_deadline_that_just_passed_is_still_served() -> None:
     store = Store(["volcengine-esi"], stale_after=90)
     store.record_success("volcengine-esi", obs(RELEASE), at=RELEASE + 30)

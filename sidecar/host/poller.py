@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
-from sidecar.host.store import Store
+from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
 from sidecar.train.durable import replace_atomically
 
@@ -85,6 +85,7 @@ class Poller:
         self._vanished: dict[str, int] = {}  # polls in a row without the known deadline
         self._last_absent: dict[str, str] = {}  # why auto found a source absent, as logged
         self._said_zone: dict[str, str] = {}  # the zone read into offset-less times, as logged
+        self._said_past: dict[str, set[tuple[str, float]]] = {}  # long-past deadlines logged
         #: Set once every source has been polled at least once (systemd READY=1).
         self.first_attempt_done = threading.Event()
 
@@ -140,6 +141,7 @@ class Poller:
                 log.info("source %s: %s", source.name, _describe(observation))
                 self.save()
             self._say_zone(source.name, observation.assumed_timezone)
+            self._say_past(source.name, observation)
             delay = next_delay(self._interval_of(source), 0, rng=self._rng)
         self._mark_attempted(source.name)
         return delay
@@ -151,6 +153,17 @@ class Poller:
             log.warning("source %s gave a time without a UTC offset: read as %s (the "
                         "source's own zone unless --timezone sets one)", name, zone)
             self._said_zone[name] = zone
+
+    def _say_past(self, name: str, observation: Observation) -> None:
+        """Once per source and deadline: it passed long ago and this machine still runs
+        (served, marked in ``error`` and /healthz; the store decides)."""
+        now = self._clock()
+        past = long_past(observation, now)
+        said = self._said_past.get(name, set())
+        for notice in past:
+            if (notice.kind, notice.expires_at_unix or 0.0) not in said:
+                log.warning("source %s: %s", name, describe_passed(notice, now))
+        self._said_past[name] = {(n.kind, n.expires_at_unix or 0.0) for n in past}
 
     def _interval_of(self, source: Source) -> float:
         """A source that must be polled on its own cadence says so (the aws source: every

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 from sidecar.models import Expiry, Notice, Observation
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["OUTCOMES", "Health", "Snapshot", "SourceStatus", "Store", "build_expiry",
-           "build_health", "build_notices"]
+__all__ = ["OUTCOMES", "PAST_GRACE_SECONDS", "Health", "Snapshot", "SourceStatus", "Store",
+           "build_expiry", "build_health", "build_notices", "describe_passed", "long_past"]
 
 OUTCOMES = ("ok", "error", "throttled")
 
@@ -168,12 +168,15 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
     """
     present = snapshot.present
     good, past = _deadlines(present, now)
-    chosen_notice, chosen = min(good, key=lambda pair: pair[0].expires_at_unix or 0.0,
+    # A deadline long past is served only when no other is known: hiding it would read as
+    # "nothing scheduled", and the client must still see that the release is due (issue 13).
+    chosen_notice, chosen = min(good or past, key=lambda pair: pair[0].expires_at_unix or 0.0,
                                 default=(None, None))
     observed = [s.observed_at_unix for s in present if s.observed_at_unix is not None]
     observed_at = min(observed) if observed and len(observed) == len(present) else None
     errors = [(s.name, s.error) for s in present if s.error]
-    errors += [(status.name, _passed(notice, now)) for notice, status in past]
+    errors += [(status.name, describe_passed(notice, now)
+                + ("" if notice is chosen_notice else "; not served")) for notice, status in past]
     if len(snapshot.sources) == 1 and errors:
         error: Optional[str] = "; ".join(message for _, message in errors)
     else:
@@ -203,16 +206,19 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
     )
 
 
-# A deadline this far in the past is not served: the machine should be gone, so the
-# source (or the clock) is wrong, and a later good deadline must not hide behind it. It is
-# reported in ``error`` and makes /healthz degraded. Within the grace it is still served:
-# a release that just came, while the platform takes its time.
+# A deadline this far in the past means the machine should be gone, so the source's answer
+# or this host's clock is wrong: it is reported in ``error``, makes /healthz degraded, and
+# is served only while no other deadline is known (a later good one must not hide behind
+# it). Within the grace it is a release that just came, while the platform takes its time.
 PAST_GRACE_SECONDS = 120.0
 
 
 def _notices_of(status: SourceStatus) -> tuple[Notice, ...]:
+    return _observation_notices(status.observation)
+
+
+def _observation_notices(observation: Optional[Observation]) -> tuple[Notice, ...]:
     """A source's notices; one from its deadline when it lists none."""
-    observation = status.observation
     if observation is None:
         return ()
     if observation.notices:
@@ -236,12 +242,20 @@ def _deadlines(sources: Sequence[SourceStatus], now: float) -> tuple[
     return good, past
 
 
-def _passed(notice: Notice, now: float) -> str:
+def long_past(observation: Optional[Observation], now: float) -> tuple[Notice, ...]:
+    """The deadlines in ``observation`` more than PAST_GRACE_SECONDS before ``now``."""
+    return tuple(notice for notice in _observation_notices(observation)
+                 if not notice.advisory and notice.expires_at_unix is not None
+                 and notice.expires_at_unix < now - PAST_GRACE_SECONDS)
+
+
+def describe_passed(notice: Notice, now: float) -> str:
+    """One line on a deadline long past (see PAST_GRACE_SECONDS)."""
     assert notice.expires_at_unix is not None
     ago = now - notice.expires_at_unix
     what = f"{notice.kind} ({notice.detail})" if notice.detail else notice.kind
     return (f"{what} at {format_rfc3339(notice.expires_at_unix)} passed {ago:.0f} s ago "
-            "and this machine still runs: not served")
+            "and this machine still runs: the source's answer or this host's clock is wrong")
 
 
 def build_notices(sources: Sequence[SourceStatus], now: float,
@@ -292,5 +306,5 @@ def build_health(snapshot: Snapshot, now: float) -> Health:
     past = _deadlines(snapshot.present, now)[1]
     if past:
         notice, status = past[0]
-        return Health("degraded", f"{status.name}: {_passed(notice, now)}")
+        return Health("degraded", f"{status.name}: {describe_passed(notice, now)}")
     return Health("ok", None)
