@@ -217,6 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from sidecar.host.logscrub import install as scrub_credentials  # standard library only
+
+    scrub_credentials()  # no credentials in the log, whatever the level (issue 13)
     try:
         from sidecar.host.daemon import run
     except ImportError as exc:
