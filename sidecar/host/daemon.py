@@ -34,6 +34,7 @@ from sidecar.host.connections import (
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
+from sidecar.host.schedule import ApiBudget
 from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, CANDIDATES, PROBE_TIMEOUT_SECONDS, ProbedSource
 from sidecar.host.sources.base import Source, where
@@ -82,7 +83,8 @@ def build_daemon(settings: Settings) -> Daemon:
     sources = build_sources(settings)
     store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
     poller = Poller(
-        sources, store, interval=settings.poll_interval, state_file=settings.state_file
+        sources, store, interval=settings.poll_interval, state_file=settings.state_file,
+        adaptive=settings.poll_schedule == "adaptive", budget=ApiBudget(settings.max_api_rate),
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None

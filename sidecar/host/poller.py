@@ -26,6 +26,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sidecar.host.schedule import (
+    ADAPTIVE_SOURCES,
+    API_SOURCES,
+    ApiBudget,
+    adaptive_interval,
+    jittered,
+)
 from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
 from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
@@ -69,6 +76,8 @@ class Poller:
         state_file: Optional[Path] = None,
         rng: Optional[random.Random] = None,
         clock: Callable[[], float] = time.time,
+        adaptive: bool = True,
+        budget: Optional[ApiBudget] = None,
     ) -> None:
         self._sources = list(sources)
         self._store = store
@@ -76,6 +85,11 @@ class Poller:
         self._state_file = state_file
         self._rng = rng or random.Random()
         self._clock = clock
+        # The far-release schedule (sidecar.host.schedule) for the sources that have one,
+        # and the cap on the OpenAPI calls of this host (None: none).
+        self._adaptive = adaptive
+        self.budget = budget
+        self._said_budget = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._attempted: set[str] = set()
@@ -142,9 +156,19 @@ class Poller:
                 self.save()
             self._say_zone(source.name, observation.assumed_timezone)
             self._say_past(source.name, observation)
-            delay = next_delay(self._interval_of(source), 0, rng=self._rng)
+            delay = self._next_success_delay(source, observation)
         self._mark_attempted(source.name)
         return delay
+
+    def _next_success_delay(self, source: Source, observation: Observation) -> float:
+        base = self._interval_of(source)
+        if not self._adaptive or source.name not in ADAPTIVE_SOURCES:
+            return next_delay(base, 0, rng=self._rng)
+        when = observation.expires_at_unix
+        remaining = None if when is None else when - self._clock()
+        interval = adaptive_interval(remaining, base)
+        self._store.plan_next_poll(source.name, interval - base)
+        return jittered(interval, base, self._rng)
 
     def _say_zone(self, name: str, zone: Optional[str]) -> None:
         """Once per source and zone: a time came without an offset and was read in ``zone``
@@ -214,8 +238,23 @@ class Poller:
 
     def _run(self, source: Source) -> None:
         while not self._stop.is_set():
+            if not self._wait_for_budget(source):
+                return
             delay = self.poll_once(source)
             self._stop.wait(delay)
+
+    def _wait_for_budget(self, source: Source) -> bool:
+        """Wait until this host's API budget allows the call; False when stopped."""
+        if self.budget is None or source.name not in API_SOURCES:
+            return True
+        wait = self.budget.take()
+        if wait > 0:
+            if not self._said_budget:
+                log.warning("--max-api-rate (%g calls per hour) reached: the next OpenAPI "
+                            "call waits %.0f s (said once)", self.budget.rate_per_hour, wait)
+                self._said_budget = True
+            return not self._stop.wait(wait)
+        return True
 
     def alive(self) -> bool:
         """True while every poll thread runs (the systemd watchdog pings only then)."""

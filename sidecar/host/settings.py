@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
+from sidecar.host.schedule import API_SOURCES as SCHEDULED_API_SOURCES
+from sidecar.host.schedule import DEFAULT_MAX_API_RATE
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     DEFAULT_AZURE_METADATA_URL,
@@ -59,7 +61,7 @@ MIN_API_POLL_INTERVAL_SECONDS = 5.0
 MIN_POLL_INTERVAL_SECONDS = 0.1
 # The sources that call the Volcengine OpenAPI every --poll-interval (auto may run them);
 # aws, gcp and azure keep their own cadence, env and static call nothing.
-API_SOURCES = ("auto", "volcengine-esi", "volcengine-events")
+API_SOURCES = ("auto", *sorted(SCHEDULED_API_SOURCES))
 
 
 class ConfigError(ValueError):
@@ -83,6 +85,10 @@ class Settings:
     metadata_url: str = DEFAULT_METADATA_URL
     poll_interval: float = 30.0
     stale_after: Optional[float] = None  # None: 3 x poll_interval (see effective_stale_after)
+    # The ESI release's schedule (sidecar.host.schedule, docs/polling.md) and the cap on
+    # this host's OpenAPI calls per hour.
+    poll_schedule: str = "adaptive"
+    max_api_rate: float = DEFAULT_MAX_API_RATE
     state_file: Optional[Path] = None
     log_level: str = "INFO"
     expires_at: Optional[str] = None
@@ -125,6 +131,20 @@ def _boolean(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError("must be true or false")
+
+
+def _poll_schedule(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("adaptive", "fixed"):
+        raise ValueError("must be adaptive or fixed")
+    return value
+
+
+def _api_rate(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 1:
+        raise ValueError("must be at least 1 call per hour")
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -337,6 +357,13 @@ OPTIONS: tuple[Option, ...] = (
            "sources that call no API", "SECONDS"),
     Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
            "long (default 3 x poll interval)", "SECONDS"),
+    Option("poll_schedule", _poll_schedule, "adaptive (default: while the ESI release is more "
+           "than 15 min away, poll every 1/12 of the time left, at most every 15 min; "
+           "--poll-interval in the final 15 min; docs/polling.md) or fixed (every "
+           "--poll-interval)", "adaptive|fixed"),
+    Option("max_api_rate", _api_rate, "most OpenAPI calls per hour this host makes, all "
+           f"sources together, retries included (default {DEFAULT_MAX_API_RATE:g}); a call "
+           "over it waits", "CALLS"),
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
            "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),

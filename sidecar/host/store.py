@@ -36,13 +36,16 @@ class SourceStatus:
     # --source auto: why this source does not run on this machine (None: it runs, or its
     # probe has not answered yet). An absent source counts for nothing.
     absent: Optional[str] = None
+    # How much later than --poll-interval the next poll is planned (the adaptive schedule
+    # of a far release, sidecar.host.schedule): staleness waits that much longer.
+    poll_slack: float = 0.0
 
     def age(self, now: float) -> Optional[float]:
         return None if self.observed_at_unix is None else now - self.observed_at_unix
 
     def is_fresh(self, now: float, stale_after: float) -> bool:
         age = self.age(now)
-        return not self.restored and age is not None and age <= stale_after
+        return not self.restored and age is not None and age <= stale_after + self.poll_slack
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,13 @@ class Store:
                 consecutive_failures=old.consecutive_failures + 1,
                 polls=_count(old.polls, "throttled" if throttled else "error"),
             )
+
+    def plan_next_poll(self, name: str, slack_seconds: float) -> None:
+        """The next poll of ``name`` comes ``slack_seconds`` later than --poll-interval
+        would have it: its answer counts as fresh that much longer."""
+        with self._lock:
+            self._sources[name] = replace(self._sources[name],
+                                          poll_slack=max(0.0, slack_seconds))
 
     def record_absent(self, name: str, reason: str, at: Optional[float] = None) -> None:
         """The source's service is not on this machine: leave it out until it appears."""

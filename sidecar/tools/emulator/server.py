@@ -34,7 +34,7 @@ from sidecar.tools.emulator.openapi import (
     system_event,
 )
 from sidecar.tools.emulator.signing import AuthError, Credentials, verify
-from sidecar.tools.emulator.state import FAULT_KINDS, EmulatorState, release_in
+from sidecar.tools.emulator.state import FAULT_KINDS, AccountLimit, EmulatorState, release_in
 
 __all__ = ["DEFAULT_ACCESS_KEY", "DEFAULT_SECRET_KEY", "Emulator"]
 
@@ -100,6 +100,8 @@ class Emulator:
         self.scheduled_instance_id = scheduled_instance_id
         self._credentials = Credentials(access_key, secret_key, session_token or None)
         self._state = EmulatorState(auto_release_at)
+        # The account's rate (set_account_limit): None, no limit.
+        self.account_limit: Optional[AccountLimit] = None
         self._stopping = threading.Event()
         self._server: Optional[_Server] = None
         self._thread: Optional[threading.Thread] = None
@@ -176,6 +178,15 @@ class Emulator:
 
     def clear_faults(self) -> None:
         self._state.clear_faults()
+
+    def set_account_limit(self, per_second: Optional[float],
+                          burst: Optional[float] = None) -> Optional[AccountLimit]:
+        """Throttle signed OpenAPI calls beyond ``per_second`` (bursts of ``burst``) as the
+        service does when an account's flow control trips: 429 ``Throttling.User``. None
+        lifts it. Every host pointed at this emulator shares it, as hosts share an
+        account. Returns the limit (its ``allowed``/``throttled`` counters)."""
+        self.account_limit = None if per_second is None else AccountLimit(per_second, burst)
+        return self.account_limit
 
     def raise_event(self, event_type: str = "SpotInstanceInterruption_Delete", *,
                     in_seconds: Optional[float] = None, status: str = "Scheduled",
@@ -254,6 +265,10 @@ class Emulator:
             message = f"Could not find operation {action} for version {version}."
             return error(404, "InvalidActionOrVersion", message)
 
+        limit = self.account_limit
+        if limit is not None and not limit.allow():
+            status, code, message = _ERROR_FAULTS["throttle"]
+            return error(status, code, message)
         faults = {fault.kind: fault for fault in self._state.take_faults(action)}
         if "slow" in faults:
             self._stopping.wait(faults["slow"].delay)

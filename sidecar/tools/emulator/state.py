@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["ERROR_FAULTS", "FAULT_KINDS", "EmulatorState", "Fault", "release_in"]
 
@@ -66,6 +67,40 @@ def _validate_fault(kind: str, count: Optional[int], delay: float) -> None:
         or delay < 0
     ):
         raise ValueError(f"fault delay must be a non-negative number of seconds, got {delay!r}")
+
+
+class AccountLimit:
+    """The account's API rate, shared by every host that calls it: a token bucket of
+    ``per_second`` calls with bursts of ``burst``. ``allow()`` False is a throttled call.
+    ``clock`` is injectable so the fleet simulation (benchmarks/bench_fleet.py) runs it on
+    simulated time. Thread-safe."""
+
+    def __init__(self, per_second: float, burst: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (math.isfinite(per_second) and per_second > 0):
+            raise ValueError(f"per_second must be > 0, got {per_second!r}")
+        self.per_second = float(per_second)
+        self.burst = float(burst if burst is not None else max(1.0, per_second))
+        if not (math.isfinite(self.burst) and self.burst >= 1):
+            raise ValueError(f"burst must be >= 1, got {burst!r}")
+        self._clock = clock
+        self._tokens = self.burst
+        self._updated = clock()
+        self._lock = threading.Lock()
+        self.allowed = 0
+        self.throttled = 0
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.per_second)
+            self._updated = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                self.allowed += 1
+                return True
+            self.throttled += 1
+            return False
 
 
 class EmulatorState:
