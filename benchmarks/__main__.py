@@ -80,6 +80,12 @@ def _reduce(quick: bool) -> dict[str, Any]:
     return main(quick)
 
 
+def _fleet(quick: bool) -> dict[str, Any]:
+    from benchmarks.bench_fleet import main
+
+    return main(quick)
+
+
 def _footprint(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_daemon import main_footprint
 
@@ -133,6 +139,8 @@ BENCHMARKS = (
               _reclaim),
     Benchmark("reduce", "per-step cost of the ranks' agreement: every step vs scheduled "
               "(8 gloo ranks)", _reduce),
+    Benchmark("fleet", "a fleet polling one account: fixed vs adaptive schedule "
+              "(simulated clock)", _fleet),
     Benchmark("footprint", "daemon memory, idle CPU, start-up, install size", _footprint),
     Benchmark("checkpoint", "atomic_checkpoint vs torch.save (benchmarks/bench_checkpoint.py)",
               _checkpoint),

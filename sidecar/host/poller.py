@@ -32,6 +32,7 @@ from sidecar.host.schedule import (
     ApiBudget,
     adaptive_interval,
     jittered,
+    retry_cap,
 )
 from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
 from sidecar.host.store import Store, describe_passed, long_past
@@ -122,7 +123,7 @@ class Poller:
             self._store.record_failure(source.name, message, throttled=exc.throttled)
             self._log_failure(source.name, message)
             failures = self._failures(source.name)
-            delay = next_delay(self._interval_of(source), failures, throttled=exc.throttled,
+            delay = next_delay(self._retry_cap(source), failures, throttled=exc.throttled,
                                rng=self._rng)
         except Exception as exc:  # a bug in a source must not kill its thread
             # Only the type and the place: a source scrubs secrets from its SourceErrors,
@@ -159,6 +160,18 @@ class Poller:
             delay = self._next_success_delay(source, observation)
         self._mark_attempted(source.name)
         return delay
+
+    def _retry_cap(self, source: Source) -> float:
+        """The longest wait between retries: the planned interval of the last known
+        release for the adaptive sources (a far host that is throttled waits its turn, and
+        leaves the account's calls to the hosts whose release is near), else the
+        interval."""
+        base = self._interval_of(source)
+        if not self._adaptive or source.name not in ADAPTIVE_SOURCES:
+            return base
+        status = next(s for s in self._store.snapshot().sources if s.name == source.name)
+        when = None if status.observation is None else status.observation.expires_at_unix
+        return retry_cap(None if when is None else when - self._clock(), base)
 
     def _next_success_delay(self, source: Source, observation: Observation) -> float:
         base = self._interval_of(source)

@@ -30,6 +30,7 @@ __all__ = [
     "ApiBudget",
     "adaptive_interval",
     "jittered",
+    "retry_cap",
 ]
 
 # The sources whose answer is a release known long ahead, polled on the adaptive schedule.
@@ -55,6 +56,16 @@ def adaptive_interval(remaining: Optional[float], base: float) -> float:
         return base
     far = min(MAX_INTERVAL_SECONDS, FAR_FRACTION * remaining, remaining - NEAR_SECONDS)
     return max(base, far)
+
+
+def retry_cap(remaining: Optional[float], base: float) -> float:
+    """The longest wait between retries after failures (throttling above all) of a source
+    on the adaptive schedule: its planned interval. A host whose release is hours away
+    then retries rarely, and the account's calls go to the hosts whose release is near.
+    Without a known release: ``base``, so a first answer is not put off."""
+    if remaining is None:
+        return base
+    return adaptive_interval(remaining, base)
 
 
 def jittered(interval: float, base: float, rng: random.Random) -> float:
