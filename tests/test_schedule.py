@@ -191,3 +191,22 @@ def test_the_account_limit_throttles_as_the_service_does(emulator: Emulator) -> 
     assert delays[-1] >= 3.2  # throttling backs off from 4 s, not 1 s
     emulator.set_account_limit(None)
     assert poller.poll_once(source) > 27  # back to its schedule
+
+
+def test_a_far_host_that_is_throttled_retries_at_its_planned_interval(
+    emulator: Emulator,
+) -> None:
+    emulator.set_release_in(2 * 3600)
+    source = esi_source(emulator)
+    store = Store([source.name], stale_after=3 * BASE)
+    poller = Poller([source], store, interval=BASE, rng=random.Random(0))
+    poller.poll_once(source)
+    emulator.inject_fault("throttle", count=7)
+    delays = [poller.poll_once(source) for _ in range(7)]
+    # 4 s doubling (+-20 %), past the 30 s cap of the fixed schedule, up to the planned
+    # interval of a release two hours away (600 s).
+    assert 3.2 <= delays[0] <= 4.8
+    assert delays[4] >= 64 * 0.8 and max(delays) <= 600 * 1.2, delays
+    fixed = Poller([source], store, interval=BASE, rng=random.Random(0), adaptive=False)
+    emulator.inject_fault("throttle", count=7)
+    assert max(fixed.poll_once(source) for _ in range(7)) <= BASE * 1.2
