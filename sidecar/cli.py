@@ -136,7 +136,48 @@ def _fetch(args: argparse.Namespace) -> Optional[Expiry]:
     return expiry
 
 
+def describe_job(events: Any, now: Optional[float] = None) -> list[str]:
+    """The job's state, last checkpoint and durability, from a /v1/events body."""
+    summary = events.get("summary") if isinstance(events, dict) else None
+    if not isinstance(summary, dict) or not summary.get("job"):
+        return []
+    now = time.time() if now is None else now
+
+    def ago(unix: Any) -> str:
+        return "?" if not isinstance(unix, (int, float)) else format_duration(now - unix) + " ago"
+
+    lines = [f"job: {summary['job']} {summary.get('state') or 'training'} (heard "
+             f"{ago(summary.get('last_event_at_unix'))})"]
+    budget, remaining = summary.get("budget_seconds"), summary.get("remaining_seconds")
+    if isinstance(budget, (int, float)):
+        told = ("" if not isinstance(remaining, (int, float)) else
+                f" vs {format_duration(remaining)} left when it last decided")
+        lines.append(f"  save budget {format_duration(budget)}{told}")
+    step = summary.get("last_save_step")
+    if step is not None:
+        took = summary.get("last_save_seconds")
+        took_text = "" if not isinstance(took, (int, float)) else f", took {took:.1f}s"
+        lines.append(f"  last checkpoint: step {step} ({summary.get('last_save') or 'routine'}, "
+                     f"{ago(summary.get('last_save_at_unix'))}{took_text})")
+    durable = summary.get("last_durable_step")
+    if durable is not None:
+        lines.append(f"  durable: step {durable} ({ago(summary.get('last_durable_at_unix'))})")
+    return lines
+
+
+def describe_uploads(uploads: Any) -> list[str]:
+    """One line on the uploader, from a /v1/uploads body (none without an uploader)."""
+    if not isinstance(uploads, dict) or not uploads.get("enabled"):
+        return []
+    step = uploads.get("last_durable_step")
+    error = f" - {uploads['error']}" if uploads.get("error") else ""
+    return [f"uploads: {uploads.get('status') or 'ok'}, last durable step "
+            f"{'none' if step is None else step}{error}"]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
     expiry = _fetch(args)
     if expiry is None:
         return EXIT_UNKNOWN
@@ -149,16 +190,66 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    """Redraw the status in place every --interval (1 s) on a terminal; elsewhere (a pipe,
+    a log) print a timestamped block every --interval (10 s). Ctrl-C ends it."""
+    try:
+        client = SidecarClient(args.url, timeout=args.timeout)
+    except ValueError as exc:
+        raise UsageError(f"--url: {exc}") from None
+    tty = sys.stdout.isatty()
+    interval = args.interval if args.interval is not None else (1.0 if tty else 10.0)
+    frames = 0
+    try:
+        while True:
+            expiry = client.expiry()
+            if expiry is None:
+                lines = [f"daemon unreachable: {client.last_error or 'no answer'} "
+                         "(still trying)"]
+            else:
+                lines = (describe(expiry) + describe_sources(_health(args))
+                         + describe_job(_get_json(args, "/v1/events?limit=0"))
+                         + describe_uploads(_get_json(args, "/v1/uploads?limit=0")))
+            stamp = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J" + f"esi-sidecar status --watch   {stamp}   "
+                                 "(Ctrl-C to stop)\n\n" + "\n".join(lines) + "\n")
+            else:
+                sys.stdout.write(f"--- {stamp}\n" + "\n".join(lines) + "\n")
+            sys.stdout.flush()
+            frames += 1
+            if args.count is not None and frames >= args.count:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
 def _health(args: argparse.Namespace) -> Any:
     """The /healthz body of the first daemon (200 or 503 alike), None when unreachable."""
+    return _get_json(args, "/healthz")
+
+
+def _get_json(args: argparse.Namespace, path: str) -> Any:
+    """The JSON body of ``path`` on the first daemon (any status), None when unreachable or
+    not JSON. Sends ``$ESI_SIDECAR_TOKEN`` as the client does."""
     import json
+    import os
     import urllib.error
     import urllib.request
 
-    url = SidecarClient(args.url, timeout=args.timeout).urls[0] + "/healthz"
+    from sidecar.train.client import ENV_TOKEN
+
+    url = SidecarClient(args.url, timeout=args.timeout).urls[0] + path
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url)
+    token = os.environ.get(ENV_TOKEN, "").strip()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
-        with opener.open(url, timeout=max(args.timeout, 0.5)) as response:
+        with opener.open(request, timeout=max(args.timeout, 0.5)) as response:
             return json.loads(response.read(1 << 16))
     except urllib.error.HTTPError as exc:
         with exc:
@@ -421,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Ask the daemon and print the deadline in words.")
     client_options(status)
     status.add_argument("--json", action="store_true", help="print the raw /v1/expiry body")
+    status.add_argument("--watch", action="store_true",
+                        help="keep showing it: redrawn in place every second on a terminal, "
+                        "a timestamped block every 10 s elsewhere; Ctrl-C stops")
+    status.add_argument("--interval", type=_positive_float, default=None,
+                        help="seconds between redraws with --watch (default 1 on a terminal, "
+                        "10 otherwise)")
+    status.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
     status.set_defaults(func=cmd_status)
 
     check = commands.add_parser(

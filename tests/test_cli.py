@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
 import socket
 import subprocess
 import sys
@@ -185,3 +188,57 @@ def test_emulate_another_cloud_prints_lines_that_work_as_pasted(cloud: str) -> N
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_status_watch_prints_a_block_per_interval_when_not_a_terminal() -> None:
+    release = time.time() + 3600
+    with serve_daemon(sources=("static",), expires_at=str(release)) as daemon:
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 200)
+        result = cli("status", "--watch", "--interval", "0.2", "--count", "3",
+                     "--url", daemon.url)
+    assert result.returncode == 0, result.stderr
+    blocks = [b for b in result.stdout.split("--- ") if b.strip()]
+    assert len(blocks) == 3, result.stdout
+    for block in blocks:
+        assert re.match(r"\d\d:\d\d:\d\d UTC\n", block), block
+        assert "releases in 59m" in block or "releases in 1h 00m" in block, block
+        assert "sources: static" in block
+    assert "\x1b[" not in result.stdout  # no terminal codes in a pipe
+
+
+def test_status_watch_redraws_in_place_on_a_terminal() -> None:
+    release = time.time() + 600
+    with serve_daemon(sources=("static",), expires_at=str(release)) as daemon:
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 200)
+        primary, secondary = pty.openpty()
+        try:
+            process = subprocess.run(
+                [sys.executable, "-m", "sidecar.cli", "status", "--watch", "--interval", "0.2",
+                 "--count", "2", "--url", daemon.url],
+                stdout=secondary, stderr=subprocess.PIPE, timeout=60)
+            os.close(secondary)
+            secondary = -1
+            output = b""
+            while True:
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                output += chunk
+        finally:
+            if secondary >= 0:
+                os.close(secondary)
+            os.close(primary)
+    assert process.returncode == 0, process.stderr
+    text = output.decode()
+    assert text.count("\x1b[H\x1b[2J") == 2, text  # cleared and redrawn, twice
+    assert "(Ctrl-C to stop)" in text and "releases in 9m" in text
+
+
+def test_status_watch_keeps_trying_a_dead_daemon() -> None:
+    result = cli("status", "--watch", "--interval", "0.1", "--count", "2", "--url", dead_url())
+    assert result.returncode == 0
+    assert result.stdout.count("daemon unreachable") == 2
+    assert "(still trying)" in result.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -17,10 +18,25 @@ from typing import Any, Callable, Optional
 from sidecar.models import Expiry, Notice, Observation
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["OUTCOMES", "PAST_GRACE_SECONDS", "Health", "Snapshot", "SourceStatus", "Store",
+__all__ = ["MOVES_KEPT", "OUTCOMES", "PAST_GRACE_SECONDS", "DeadlineMove", "Health", "Snapshot",
+           "SourceStatus", "Store",
            "build_expiry", "build_health", "build_notices", "describe_passed", "long_past"]
 
 OUTCOMES = ("ok", "error", "throttled")
+
+
+MOVES_KEPT = 100
+
+
+@dataclass(frozen=True)
+class DeadlineMove:
+    """A source's deadline learned (``before`` None on the first answer) or moved."""
+
+    source: str
+    at_unix: float
+    before_unix: Optional[float]
+    after_unix: Optional[float]
+    kind: Optional[str]
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,8 @@ class Store:
         self._stale_after = stale_after
         self._started = clock()
         self._sources = {name: SourceStatus(name) for name in source_names}
+        # Each source's deadline as it was learned and as it moved, newest last (bounded).
+        self._moves: deque[DeadlineMove] = deque(maxlen=MOVES_KEPT)
 
     # ------------------------------------------------------------------ writers
 
@@ -95,6 +113,10 @@ class Store:
         at = self._clock() if at is None else at
         with self._lock:
             old = self._sources[name]
+            before = None if old.observation is None else old.observation.expires_at_unix
+            if before != observation.expires_at_unix or old.observation is None:
+                self._moves.append(DeadlineMove(name, at, before, observation.expires_at_unix,
+                                                observation.kind))
             self._sources[name] = replace(
                 old,
                 observation=observation,
@@ -149,6 +171,11 @@ class Store:
                 )
 
     # ------------------------------------------------------------------ readers
+
+    def moves(self) -> list[DeadlineMove]:
+        """The deadlines learned and their moves, oldest first (at most MOVES_KEPT)."""
+        with self._lock:
+            return list(self._moves)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
