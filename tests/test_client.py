@@ -411,6 +411,26 @@ def _good_body(**changes: object) -> bytes:
     return json.dumps(body).encode()
 
 
+class _ClosingPeer(_BrokenPeer):
+    protocol_version = "HTTP/1.0"  # "Connection: close" after every answer
+
+
+def test_an_answer_that_closes_the_connection_is_read_whole() -> None:
+    # http.client closes the connection as soon as the headers say it will close, before
+    # the body is read: the body must still arrive (it was "Bad file descriptor").
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingPeer)
+    server.reply = (200, _good_body())  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        with SidecarClient(f"http://127.0.0.1:{server.server_address[1]}") as client:
+            for _ in range(3):
+                answer = client.expiry()
+                assert answer is not None and answer.source == "static", client.last_error
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.parametrize(
     ("status", "body", "expected"),
     [

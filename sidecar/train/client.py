@@ -80,11 +80,16 @@ class _Deadline:
 
 
 class _BoundedReader(io.RawIOBase):
-    """What ``http.client`` reads the response from: ``recv_into`` within the deadline."""
+    """What ``http.client`` reads the response from: ``recv_into`` within the deadline.
+
+    It reads through the socket's own ``makefile()``, which keeps the descriptor open
+    until the response is read: ``http.client`` closes the connection as soon as the
+    headers say ``Connection: close`` (an HTTP/1.0 peer), before the body is read."""
 
     def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
         super().__init__()
         self._sock = sock
+        self._raw = sock.makefile("rb", buffering=0)
         self._deadline = deadline
 
     def readable(self) -> bool:
@@ -92,7 +97,11 @@ class _BoundedReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         self._sock.settimeout(self._deadline.left())
-        return self._sock.recv_into(buffer)
+        return self._raw.readinto(buffer) or 0
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _BoundedSocket:
