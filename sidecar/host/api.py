@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
+from sidecar.host.events import EventHistory, add_event_routes
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -122,6 +123,7 @@ def create_app(
     clock: Callable[[], float] = time.time,
     uploads: Optional[UploadsView] = None,
     token: Optional[str] = None,
+    events: Optional[EventHistory] = None,
 ) -> FastAPI:
     """The API over ``store``; with ``token``, peers beyond loopback must send it
     (``sidecar.host.auth``)."""
@@ -214,6 +216,9 @@ def create_app(
                           "last_durable_step": None, "checkpoints": []})
         return _json(uploads.body(clock(), limit))
 
+    if events is not None:  # the jobs' events (sidecar.host.events)
+        add_event_routes(app, events, clock)
+
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
         return Response(_endpoints_page(app.openapi()), media_type="text/html")
@@ -222,6 +227,8 @@ def create_app(
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(store, clock))
+    if events is not None:
+        registry.register(events)
     if uploads is not None:
         registry.register(uploads)
 

@@ -31,6 +31,7 @@ from sidecar.host.connections import (
     connection_limit,
     raise_open_file_limit,
 )
+from sidecar.host.events import EventHistory, persist_events
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
@@ -62,6 +63,7 @@ class Daemon:
     connections: ConnectionGuard
     uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
     approver: Optional[Approver] = None  # --azure-approve
+    events: Optional[EventHistory] = None  # what the jobs said (GET /v1/events)
 
 
 def build_sources(settings: Settings) -> list[Source]:
@@ -82,19 +84,24 @@ def _probed(name: str, settings: Settings) -> ProbedSource:
 def build_daemon(settings: Settings) -> Daemon:
     sources = build_sources(settings)
     store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
+    events = EventHistory()  # kept in the state file by the poller's writes
     poller = Poller(
         sources, store, interval=settings.poll_interval, state_file=settings.state_file,
         adaptive=settings.poll_schedule == "adaptive", budget=ApiBudget(settings.max_api_rate),
+        extra_state=events.state,
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.state_file is not None:
+            events.load(settings.state_file)  # before the poller sets a bad file aside
         poller.start()
         if uploader is not None:
             uploader.start()
-        tasks = [asyncio.create_task(_announce_ready(poller, store))]
+        tasks = [asyncio.create_task(_announce_ready(poller, store)),
+                 asyncio.create_task(persist_events(events, poller.save))]
         if approver is not None:
             tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
@@ -119,10 +126,10 @@ def build_daemon(settings: Settings) -> Daemon:
 
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None,
-                     token=settings.token)
+                     token=settings.token, events=events)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
-    return Daemon(settings, store, poller, app, connections, uploader, approver)
+    return Daemon(settings, store, poller, app, connections, uploader, approver, events)
 
 
 def _build_uploader(settings: Settings, store: Store) -> Any:

@@ -77,6 +77,7 @@ class Poller:
         state_file: Optional[Path] = None,
         rng: Optional[random.Random] = None,
         clock: Callable[[], float] = time.time,
+        extra_state: Optional[Callable[[], dict[str, Any]]] = None,
         adaptive: bool = True,
         budget: Optional[ApiBudget] = None,
     ) -> None:
@@ -86,6 +87,8 @@ class Poller:
         self._state_file = state_file
         self._rng = rng or random.Random()
         self._clock = clock
+        # Sections of the state file kept by others (the job events, sidecar.host.events).
+        self._extra_state = extra_state
         # The far-release schedule (sidecar.host.schedule) for the sources that have one,
         # and the cap on the OpenAPI calls of this host (None: none).
         self._adaptive = adaptive
@@ -292,7 +295,7 @@ class Poller:
             return
         with self._save_lock:
             try:
-                save_state(self._state_file, self._store)
+                save_state(self._state_file, self._store, self._extra_state)
             except OSError as exc:
                 log.warning("could not write state file %s: %s", self._state_file, exc)
 
@@ -300,8 +303,10 @@ class Poller:
 # ---------------------------------------------------------------------- state file
 
 
-def save_state(path: Path, store: Store) -> None:
-    """Write the last good observation of each source, atomically."""
+def save_state(path: Path, store: Store,
+               extra: Optional[Callable[[], dict[str, Any]]] = None) -> None:
+    """Write the last good observation of each source, atomically; ``extra()``: more
+    top-level sections, which the loader here ignores and never the deadline's own keys."""
     sources: dict[str, Any] = {}
     for status in store.snapshot().sources:
         if status.observation is not None and status.observed_at_unix is not None:
@@ -312,7 +317,10 @@ def save_state(path: Path, store: Store) -> None:
                 "observation": observation,
                 "observed_at_unix": status.observed_at_unix,
             }
-    body = json.dumps({"version": STATE_VERSION, "sources": sources}, indent=1).encode()
+    state: dict[str, Any] = {"version": STATE_VERSION, "sources": sources}
+    if extra is not None:
+        state.update({key: value for key, value in extra().items() if key not in state})
+    body = json.dumps(state, indent=1).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     # A random part too: a daemon that is always PID 1 (a container) must not meet the
     # temporary file its last crash left behind.

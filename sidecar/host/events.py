@@ -1,0 +1,499 @@
+"""What the training jobs on this node say happened: ``POST /v1/events``, ``GET /v1/events``.
+
+The guard (``sidecar.train.guard``) posts small events (step estimates, saves started and
+finished, durable checkpoints, the wait for the release, the stop); this module validates
+them, keeps a bounded history (in memory, and in the state file through the poller, so a
+restart keeps it), serves it newest first with a summary, and exports the summary to
+``/metrics``. Events are the job's word, shown, never acted on: nothing here reaches the
+store, so no event can move the deadline (issue 14, item 1).
+
+Bounded everywhere: a request body of at most 64 KiB and 100 events, strings of at most a
+few hundred characters (longer is a 422, not a truncation), a token bucket per daemon
+beyond which events are dropped and counted, a history of 500 events and the last step of
+at most 64 (job, rank) pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Optional
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes",
+    "persist_events",
+]
+
+log = logging.getLogger("sidecar.host.events")
+
+KINDS = ("step-estimate", "save-started", "save-finished", "durable", "not-durable",
+         "too-late", "waiting", "resumed", "stop")
+HISTORY_LENGTH = 500
+MAX_EVENTS_PER_REQUEST = 100
+MAX_BODY_BYTES = 64 * 1024
+MAX_LIMIT = HISTORY_LENGTH
+# Per daemon, not per job: the history is this node's, and a flood from one process must
+# not push out what the others said. A guard sends a few events per save and one estimate
+# every 30 s per rank, far below this.
+RATE_PER_SECOND = 20.0
+BURST_EVENTS = 200.0
+MAX_TRACKED_JOBS = 64  # (job, rank) pairs whose last step is remembered
+PERSIST_INTERVAL_SECONDS = 2.0  # a flood of events costs at most one state write per 2 s
+EVENTS_STATE_KEY = "events"
+STATE_VERSION = 1
+# A time on the daemon's clock: between 2000 and the year 5138, and an event's own time
+# within a day before the daemon's clock and five minutes after (the same host's clock).
+_EARLIEST_UNIX = 946684800.0
+_LATEST_UNIX = 1e11
+_PAST_SKEW_SECONDS = 86400.0
+_FUTURE_SKEW_SECONDS = 300.0
+_MAX_SECONDS = 1e7  # a duration: about 116 days, as the API's queries
+_MAX_LEAD_SECONDS = 1e10  # a time left until a deadline: a far static one is years away
+
+Seconds = Annotated[float, Field(ge=0, le=_MAX_SECONDS, allow_inf_nan=False)]
+SignedSeconds = Annotated[float, Field(ge=-_MAX_LEAD_SECONDS, le=_MAX_LEAD_SECONDS,
+                                       allow_inf_nan=False)]
+Step = Annotated[int, Field(ge=0, le=2**53)]
+UnixTime = Annotated[float, Field(ge=_EARLIEST_UNIX, le=_LATEST_UNIX, allow_inf_nan=False)]
+# Printable, one line: what a log line or a dashboard shows as is.
+Text = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[^\x00-\x1f\x7f]*$")]
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
+SaveKind = Literal["final", "top-up", "routine"]
+JobState = Literal["training", "saving", "waiting", "stopped"]
+
+
+class JobEvent(BaseModel):
+    """One event, as a job posts it. Unknown fields, wrong types (``"12"`` for a step,
+    ``1.5`` for a step, ``1`` for a flag) and out-of-range values are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: Literal[KINDS]  # type: ignore[valid-type]
+    job: JobId  # who: the guard sends hostname:pid unless told otherwise
+    rank: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None
+    at_unix: Optional[UnixTime] = None  # when it happened (default: when it arrived)
+    step: Optional[Step] = None  # the training step a checkpoint holds
+    save: Optional[SaveKind] = None  # which save: the final one, the top-up, a routine one
+    seconds: Optional[Seconds] = None  # save-finished: how long the save took
+    asynchronous: Optional[bool] = None  # save-finished: its writing goes on after seconds
+    lead_seconds: Optional[SignedSeconds] = None  # durable: how long before the release
+    step_seconds: Optional[Seconds] = None  # the step estimate the rule used
+    save_seconds: Optional[Seconds] = None  # the save estimate the rule used
+    budget_seconds: Optional[Seconds] = None  # step + save (+ upload) + margin
+    remaining_seconds: Optional[SignedSeconds] = None  # as the job saw it, at at_unix
+    released: Optional[bool] = None  # stop: because the release came
+    reason: Optional[Text] = None
+
+    @field_validator("at_unix")
+    @classmethod
+    def _near_now(cls, value: Optional[float], info: ValidationInfo) -> Optional[float]:
+        now = (info.context or {}).get("now")
+        if value is not None and now is not None and not (
+            now - _PAST_SKEW_SECONDS <= value <= now + _FUTURE_SKEW_SECONDS
+        ):
+            raise ValueError(f"must be within a day before the daemon's clock ({now:.0f})")
+        return value
+
+    @model_validator(mode="after")
+    def _needs(self) -> JobEvent:
+        if self.kind == "save-finished" and self.seconds is None:
+            raise ValueError("save-finished needs seconds (how long the save took)")
+        return self
+
+
+class StoredEvent(JobEvent):
+    """An event as kept and served: when it arrived, and why it looks wrong, if it does."""
+
+    received_at_unix: UnixTime
+    flag: Optional[Text] = None
+
+
+class Summary(BaseModel):
+    """The newest of each thing, kept apart from the history so that a flood of one kind
+    of event never pushes the last save out of it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job: Optional[JobId] = None
+    rank: Optional[int] = None
+    state: Optional[JobState] = None
+    last_event_at_unix: Optional[UnixTime] = None
+    last_save_step: Optional[Step] = None
+    last_save: Optional[SaveKind] = None
+    last_save_at_unix: Optional[UnixTime] = None
+    last_save_seconds: Optional[Seconds] = None
+    last_durable_step: Optional[Step] = None
+    last_durable_at_unix: Optional[UnixTime] = None
+    step_seconds: Optional[Seconds] = None
+    save_seconds: Optional[Seconds] = None
+    budget_seconds: Optional[Seconds] = None
+    remaining_seconds: Optional[SignedSeconds] = None
+    decision_at_unix: Optional[UnixTime] = None
+
+
+_ONE = TypeAdapter(JobEvent)
+_BATCH = TypeAdapter(Annotated[list[JobEvent], Field(min_length=1,
+                                                     max_length=MAX_EVENTS_PER_REQUEST)])
+_STORED = TypeAdapter(Annotated[list[StoredEvent], Field(max_length=HISTORY_LENGTH)])
+_STATES: dict[str, JobState] = {"save-started": "saving", "save-finished": "training",
+                                "waiting": "waiting", "resumed": "training", "stop": "stopped"}
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, burst: float, monotonic: Callable[[], float]) -> None:
+        self._rate, self._burst, self._monotonic = rate, burst, monotonic
+        self._tokens = burst
+        self._at = monotonic()
+
+    def take(self) -> bool:
+        now = self._monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+class EventHistory:
+    """The node's bounded history of job events, its summary and its counters.
+
+    Thread-safe: the API adds and reads in the event loop, the poller's thread takes
+    :meth:`state` for the state file, a scrape calls :meth:`collect`.
+    """
+
+    def __init__(
+        self,
+        *,
+        length: int = HISTORY_LENGTH,
+        rate_per_second: float = RATE_PER_SECOND,
+        burst: float = BURST_EVENTS,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._events: deque[dict[str, Any]] = deque(maxlen=length)
+        self._summary = Summary()
+        self._last_steps: OrderedDict[tuple[str, Optional[int]], int] = OrderedDict()
+        self._bucket = _TokenBucket(rate_per_second, burst, monotonic)
+        self._received = 0
+        self._dropped = {"rate": 0}
+        self._rejected = {"invalid": 0, "too-large": 0}
+        self._flagged = {"step-backwards": 0}
+        #: Changes since start: the persisting task writes the state file when it moved.
+        self.generation = 0
+
+    # ------------------------------------------------------------------ writers
+
+    def add(self, events: Iterable[JobEvent], now: Optional[float] = None) -> dict[str, int]:
+        """Keep validated events, oldest first, within the rate; the counts of each fate."""
+        now = self._clock() if now is None else now
+        accepted = dropped = flagged = 0
+        with self._lock:
+            for event in events:
+                if not self._bucket.take():
+                    dropped += 1
+                    continue
+                record = event.model_dump(exclude_none=True)
+                record.setdefault("at_unix", now)
+                record["received_at_unix"] = now
+                flag = self._check_step(event)
+                if flag is not None:
+                    record["flag"] = flag
+                    flagged += 1
+                self._events.append(record)
+                self._summarise(record)
+                accepted += 1
+            self._received += accepted
+            self._dropped["rate"] += dropped
+            self._flagged["step-backwards"] += flagged
+            if accepted:
+                self.generation += 1
+        return {"accepted": accepted, "dropped": dropped, "flagged": flagged}
+
+    def reject(self, reason: str) -> None:
+        """Count a request refused whole (422: ``invalid``, 413: ``too-large``)."""
+        with self._lock:
+            self._rejected[reason] += 1
+
+    def _check_step(self, event: JobEvent) -> Optional[str]:
+        """Steps of one job and rank go forward; a save at an older step is kept (a job may
+        roll back to an earlier checkpoint after a loss spike) but flagged."""
+        if event.step is None or event.kind not in ("save-started", "save-finished"):
+            return None
+        key = (event.job, event.rank)
+        last = self._last_steps.pop(key, None)
+        self._last_steps[key] = event.step if last is None else max(last, event.step)
+        while len(self._last_steps) > MAX_TRACKED_JOBS:
+            self._last_steps.popitem(last=False)
+        if last is not None and event.step < last:
+            return f"step went backwards: {event.step} after {last}"
+        return None
+
+    def _summarise(self, record: dict[str, Any]) -> None:
+        summary = self._summary.model_copy()
+        kind, at = record["kind"], record["at_unix"]
+        summary.job, summary.rank, summary.last_event_at_unix = (
+            record["job"], record.get("rank"), at)
+        summary.state = _STATES.get(kind, summary.state)
+        if kind == "save-finished":
+            summary.last_save_step = record.get("step")
+            summary.last_save = record.get("save")
+            summary.last_save_at_unix, summary.last_save_seconds = at, record["seconds"]
+        elif kind == "durable" and record.get("step") is not None:
+            summary.last_durable_step, summary.last_durable_at_unix = record["step"], at
+        if "remaining_seconds" in record:
+            summary.remaining_seconds, summary.decision_at_unix = record["remaining_seconds"], at
+        for field in ("step_seconds", "save_seconds", "budget_seconds"):
+            if field in record:
+                setattr(summary, field, record[field])
+        self._summary = summary
+
+    # ------------------------------------------------------------------ readers
+
+    def body(self, limit: int = 100, now: Optional[float] = None) -> dict[str, Any]:
+        """The ``GET /v1/events`` body: the summary, then the newest ``limit`` events."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            newest = [dict(e) for e in list(reversed(self._events))[: max(0, limit)]]
+            length, summary = len(self._events), self._summary
+            counts = {"received_total": self._received, "dropped": dict(self._dropped),
+                      "rejected": dict(self._rejected), "flagged": dict(self._flagged)}
+        return {"summary": _served_summary(summary, now), "events": newest,
+                "history_length": length, "history_capacity": self._events.maxlen,
+                **counts, "server_time_unix": now}
+
+    def collect(self) -> list[Metric]:
+        """Prometheus metrics at scrape time (registered in the API's own registry)."""
+        now = self._clock()
+        with self._lock:
+            summary = self._summary
+            received, dropped = self._received, dict(self._dropped)
+            rejected, flagged = dict(self._rejected), dict(self._flagged)
+        gauges = []
+        for name, text, value in (
+            ("last_save_age_seconds", "Seconds since a job on this node last finished a save",
+             None if summary.last_save_at_unix is None
+             else max(0.0, now - summary.last_save_at_unix)),
+            ("last_save_step", "Step of the last save a job finished", summary.last_save_step),
+            ("last_save_duration_seconds", "How long that save took", summary.last_save_seconds),
+            ("last_durable_step", "Step of the last final or top-up checkpoint a job saw "
+             "durable", summary.last_durable_step),
+            ("budget_seconds", "The save budget of the job's last decision (step + save + "
+             "upload + margin)", summary.budget_seconds),
+            ("remaining_seconds", "Seconds left as the job saw it at its last decision, less "
+             "the time since (compare esi_sidecar_remaining_seconds)", _job_remaining(summary,
+                                                                                      now)),
+        ):
+            gauge = GaugeMetricFamily(f"esi_sidecar_job_{name}", text + " (absent before one)")
+            if value is not None:
+                gauge.add_metric([], float(value))
+            gauges.append(gauge)
+        received_metric = CounterMetricFamily(
+            "esi_sidecar_events_received", "Job events kept in the history")
+        received_metric.add_metric([], received)
+        dropped_metric = CounterMetricFamily(
+            "esi_sidecar_events_dropped", "Valid job events not kept: over the rate limit",
+            labels=["reason"])
+        flagged_metric = CounterMetricFamily(
+            "esi_sidecar_events_flagged", "Job events kept but flagged (a save at an older "
+            "step than the job's last)", labels=["reason"])
+        rejected_metric = CounterMetricFamily(
+            "esi_sidecar_event_requests_rejected", "POST /v1/events refused whole: 422 "
+            "(invalid) or 413 (too-large)", labels=["reason"])
+        for metric, counts in ((dropped_metric, dropped), (flagged_metric, flagged),
+                               (rejected_metric, rejected)):
+            for reason, count in counts.items():
+                metric.add_metric([reason], count)
+        return [*gauges, received_metric, dropped_metric, flagged_metric, rejected_metric]
+
+    # ------------------------------------------------------------------ state file
+
+    def state(self) -> dict[str, Any]:
+        """The state file's section: ``{"events": {...}}`` (``sidecar.host.poller``)."""
+        with self._lock:
+            section = {"version": STATE_VERSION, "history": list(self._events),
+                       "summary": self._summary.model_dump(exclude_none=True)}
+        return {EVENTS_STATE_KEY: section}
+
+    def restore(self, section: Any) -> None:
+        """Load a section written by :meth:`state`; ValueError naming the first bad field.
+        All or nothing, and only into an empty history."""
+        if not isinstance(section, dict):
+            raise ValueError("not an object")
+        if section.get("version") != STATE_VERSION:
+            raise ValueError(f"unknown version {section.get('version')!r}")
+        unknown = set(section) - {"version", "history", "summary"}
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+        try:
+            stored = _STORED.validate_python(section.get("history", []))
+            summary = Summary.model_validate(section.get("summary", {}))
+        except ValidationError as exc:
+            raise ValueError(_first_problem(exc)) from None
+        with self._lock:
+            if self._events:
+                return
+            for event in stored:
+                self._events.append(event.model_dump(exclude_none=True))
+                if event.step is not None and event.kind in ("save-started", "save-finished"):
+                    key = (event.job, event.rank)
+                    self._last_steps[key] = max(event.step, self._last_steps.pop(key, 0))
+            while len(self._last_steps) > MAX_TRACKED_JOBS:
+                self._last_steps.popitem(last=False)
+            self._summary = summary
+
+    def load(self, path: Path) -> None:
+        """Restore the events section of the state file at ``path``. A missing or unreadable
+        file, or one that is not a JSON object, is the poller's to report; a bad events
+        section is ignored with one log line and never touches the deadline."""
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return
+        if not isinstance(data, dict) or EVENTS_STATE_KEY not in data:
+            return
+        try:
+            self.restore(data[EVENTS_STATE_KEY])
+        except ValueError as exc:
+            log.warning("ignoring the job events in state file %s (the deadline is kept): %s",
+                        path, " ".join(str(exc).split())[:300])
+            return
+        log.info("restored %d job events from %s", len(self._events), path)
+
+
+def _job_remaining(summary: Summary, now: float) -> Optional[float]:
+    if summary.remaining_seconds is None or summary.decision_at_unix is None:
+        return None
+    return summary.remaining_seconds - max(0.0, now - summary.decision_at_unix)
+
+
+def _served_summary(summary: Summary, now: float) -> dict[str, Any]:
+    body = summary.model_dump()
+    for field, at in (("last_save_age_seconds", summary.last_save_at_unix),
+                      ("last_durable_age_seconds", summary.last_durable_at_unix),
+                      ("decision_age_seconds", summary.decision_at_unix)):
+        body[field] = None if at is None else max(0.0, now - at)
+    return body
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    return f"{_where(error['loc'])}: {error['msg']}"
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """``(1, "seconds")`` -> ``[1].seconds``; ``("seconds",)`` -> ``seconds``."""
+    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
+    return text.lstrip(".") or "body"
+
+
+def _refused(status: int, message: str, detail: Optional[list[Any]] = None) -> Response:
+    # The shape of the API's other 422s: one line naming the field, then pydantic's list.
+    body = {"error": message, "detail": detail or []}
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status,
+                    media_type="application/json")
+
+
+async def _read_body(request: Request) -> Optional[bytes]:
+    """The request body, or None when it is larger than MAX_BODY_BYTES (read no further)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# Documented by hand: the body is read here, capped, before pydantic sees it (FastAPI's own
+# body parameter would read any size first).
+_EVENT_SCHEMA = JobEvent.model_json_schema()
+_REQUEST_BODY = {
+    "required": True,
+    "description": "One event object, or a list of 1 to "
+                   f"{MAX_EVENTS_PER_REQUEST}; at most {MAX_BODY_BYTES // 1024} KiB",
+    "content": {"application/json": {"schema": {"anyOf": [
+        _EVENT_SCHEMA,
+        {"type": "array", "items": _EVENT_SCHEMA, "minItems": 1,
+         "maxItems": MAX_EVENTS_PER_REQUEST},
+    ]}}},
+}
+
+
+def add_event_routes(app: FastAPI, history: EventHistory,
+                     clock: Callable[[], float] = time.time) -> None:
+    """``POST /v1/events`` and ``GET /v1/events`` on ``app`` (docs/events.md)."""
+    @app.post("/v1/events", status_code=202, summary="A job's events: kept, never acted on",
+              openapi_extra={"requestBody": _REQUEST_BODY},
+              responses={413: {"description": "body over 64 KiB"},
+                         422: {"description": "an invalid event: the error names the field"}})
+    async def post_events(request: Request) -> Response:
+        raw = await _read_body(request)
+        if raw is None:
+            history.reject("too-large")
+            return _refused(413, f"body: more than {MAX_BODY_BYTES} bytes")
+        now = clock()
+        batch = raw.lstrip()[:1] == b"["
+        try:
+            events = (_BATCH if batch else _ONE).validate_json(raw, context={"now": now})
+        except ValidationError as exc:
+            history.reject("invalid")
+            detail = exc.errors(include_url=False, include_input=False, include_context=False)
+            problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in detail[:5])
+            return _refused(422, problems, [dict(e) for e in detail[:20]])
+        counts = history.add(events if isinstance(events, list) else [events], now)
+        return Response(json.dumps(counts, separators=(",", ":")), status_code=202,
+                        media_type="application/json")
+
+    @app.get("/v1/events", summary="Job events on this node, newest first, and a summary")
+    async def get_events(
+        limit: Annotated[str, Query(pattern=r"^[0-9]{1,4}$", description=(
+            f"newest events to list, 0 to {MAX_LIMIT}, written in digits"))] = "100",
+    ) -> Response:
+        if int(limit) > MAX_LIMIT:
+            return _refused(422, f"limit: must be at most {MAX_LIMIT}")
+        return Response(json.dumps(history.body(int(limit), clock()), separators=(",", ":")),
+                        media_type="application/json")
+
+
+
+async def persist_events(history: EventHistory, save: Callable[[], None],
+                         interval: float = PERSIST_INTERVAL_SECONDS) -> None:
+    """Write the state file (``save``: the poller's, which carries the events section)
+    when the history changed, at most once per ``interval``; the poller's own writes and
+    its final flush at shutdown carry it too."""
+    written = history.generation
+    while True:
+        await asyncio.sleep(interval)
+        if history.generation != written:
+            written = history.generation
+            try:
+                await asyncio.to_thread(save)
+            except Exception as exc:  # a bug here must not stop the daemon
+                log.error("writing the job events failed: %s", type(exc).__name__)
+
