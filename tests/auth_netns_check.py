@@ -30,8 +30,9 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def get(url: str, token: Optional[str] = None, method: str = "GET") -> dict[str, Any]:
-    request = urllib.request.Request(url, method=method)
+def get(url: str, token: Optional[str] = None, method: str = "GET",
+        data: Optional[bytes] = None) -> dict[str, Any]:
+    request = urllib.request.Request(url, method=method, data=data)
     if token is not None:
         request.add_header("Authorization", token)
     try:
@@ -76,6 +77,17 @@ def main() -> None:
         result["remote_healthz_head"] = get(remote + "/healthz", method="HEAD")["code"]
         result["remote_healthz_token"] = get(remote + "/healthz", "Bearer " + TOKEN)
         result["local_no_token"] = get(local + "/v1/expiry")
+        # Job events (POST) through the same wrapper: refused without the token.
+        event = json.dumps({"kind": "stop", "job": "netns:1"}).encode()
+        result["remote_post_no_token"] = get(remote + "/v1/events", method="POST",
+                                             data=event)["code"]
+        result["remote_post_token"] = get(remote + "/v1/events", "Bearer " + TOKEN,
+                                          method="POST", data=event)["code"]
+        sender = SidecarClient(remote, timeout=2, token=TOKEN)
+        sender.send_event({"kind": "stop", "job": "netns:2"})
+        sender.close()
+        result["client_events_sent"] = sender.events_sent
+        result["events_jobs"] = [e["job"] for e in get(local + "/v1/events")["body"]["events"]]
         with_token = SidecarClient(remote, timeout=2, token=TOKEN)
         answer = with_token.expiry()
         result["client_token"] = None if answer is None else answer.expires_at_unix

@@ -88,6 +88,11 @@ def test_peers_beyond_loopback_need_the_token_and_loopback_stays_open() -> None:
     assert "sources" in result["remote_healthz_token"]["body"]
     # Loopback needs none.
     assert result["local_no_token"]["code"] == 200
+    # POST /v1/events too: 401 without the token, 202 with it (the client sends it).
+    assert result["remote_post_no_token"] == 401
+    assert result["remote_post_token"] == 202
+    assert result["client_events_sent"] == 1
+    assert result["events_jobs"] == ["netns:2", "netns:1"]
     # The client sends it (argument or ESI_SIDECAR_TOKEN) and says what a 401 means.
     assert result["client_token"] == 1893456000.0
     assert result["client_env_token"] == 1893456000.0

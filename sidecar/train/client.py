@@ -12,16 +12,20 @@ loop because the daemon is down, slow or talking nonsense: it answers None and r
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import io
+import ipaddress
 import json
 import logging
 import math
 import os
 import socket
+import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -45,6 +49,7 @@ UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
 # /v1/expiry is a few hundred bytes; anything much larger is not our daemon.
 _MAX_BODY_BYTES = 64 * 1024
 _USER_AGENT = "esi-sidecar-client"
+_JSON_BODY = {"Content-Type": "application/json"}
 _TCP_QUICKACK: Optional[int] = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 
 
@@ -53,6 +58,10 @@ _TCP_QUICKACK: Optional[int] = getattr(socket, "TCP_QUICKACK", None)  # Linux on
 
 class _FetchError(Exception):
     """One failed request; the message is one line naming the URL."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of an answer that was not a success
 
 
 def _describe_error(exc: BaseException, timeout: float) -> str:
@@ -123,6 +132,15 @@ class _BoundedSocket:
         return getattr(self._sock, name)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class _Endpoint:
     """One daemon URL with its keep-alive connection (reopened after any failure)."""
 
@@ -139,6 +157,7 @@ class _Endpoint:
         self._host = parts.hostname
         self._port = port or (443 if self._https else 80)
         self._base_path = parts.path.rstrip("/")
+        self.on_loopback = _is_loopback(self._host)
         self._timeout = timeout
         self._deadline = _Deadline()
         self._connection: Optional[http.client.HTTPConnection] = None
@@ -179,7 +198,13 @@ class _Endpoint:
 
         The whole request, a retry on a fresh connection included, ends within the
         client's timeout."""
+        return self.request_json("GET", path)
+
+    def request_json(self, method: str, path: str, body: Optional[bytes] = None) -> Any:
+        """``method`` ``path`` (with a JSON ``body``) and decode the JSON answer, as
+        :meth:`get_json`; a POST may be answered 200 or 202."""
         self._deadline.at = time.monotonic() + self._timeout
+        headers = self._headers if body is None else {**self._headers, **_JSON_BODY}
         for _attempt in range(2):
             reused = self._connection is not None
             try:
@@ -187,9 +212,10 @@ class _Endpoint:
                 self._connection = connection
                 self._quick_ack(connection)
                 connection.request(
-                    "GET",
+                    method,
                     self._base_path + path,
-                    headers=self._headers,
+                    body=body,
+                    headers=headers,
                 )
                 self._quick_ack(connection)
                 response = connection.getresponse()
@@ -211,8 +237,9 @@ class _Endpoint:
                 wanted = "a token" if "Authorization" not in self._headers else "another token"
                 raise _FetchError(f"{self.url}: HTTP 401 from {path}: the daemon wants {wanted} "
                                   f"(set {ENV_TOKEN} to the daemon's)")
-            if response.status != 200:
-                raise _FetchError(f"{self.url}: HTTP {response.status} from {path}")
+            if response.status != 200 and not (method == "POST" and response.status == 202):
+                raise _FetchError(f"{self.url}: HTTP {response.status} from {path}",
+                                  response.status)
             try:
                 return json.loads(body.decode("utf-8"))
             except ValueError as exc:
@@ -225,6 +252,150 @@ class _Endpoint:
             return Expiry.from_json(body)
         except ValueError as exc:
             raise _FetchError(f"{self.url}: bad {EXPIRY_PATH} body ({exc})") from None
+
+
+# ---------------------------------------------------------------------------- job events
+
+EVENTS_PATH = "/v1/events"
+# The events waiting for the sender: a guard queues a few per save and one per 30 s, so
+# this many mean the daemon has not answered for a long while; the oldest go first.
+MAX_QUEUED_EVENTS = 256
+MAX_EVENTS_PER_REQUEST = 50  # the daemon takes up to 100
+EVENT_RETRY_SECONDS = 5.0  # after a failed request, as the deadline's retry
+EVENT_IDLE_SECONDS = 30.0  # the sender's thread ends after this long without events
+_NO_EVENTS_ENDPOINT = (404, 405)  # a daemon older than /v1/events
+
+
+class _EventSender:
+    """Posts job events to one daemon from one background thread, so that the training
+    loop never waits for it: :meth:`put` only appends to a bounded queue (dropping the
+    oldest when full). One request at a time, each within the client's timeout; a failed
+    request drops its events (never sent twice) and the next waits EVENT_RETRY_SECONDS.
+    The thread starts with the first event and ends after EVENT_IDLE_SECONDS without one;
+    :meth:`close` (and the interpreter's exit) sends what is queued, within two timeouts.
+    Every count is the sender's own; nothing here raises."""
+
+    def __init__(self, url: str, timeout: float, token: Optional[str]) -> None:
+        self.url, self._timeout, self._token = url, timeout, token
+        self._lock = threading.Lock()
+        self._queue: deque[dict[str, Any]] = deque()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._disabled = False  # the daemon has no /v1/events
+        self._failing: Optional[str] = None  # for logging once per change
+        self._at_exit = False
+        self.sent = 0
+        self.dropped = 0
+        self.last_error: Optional[str] = None
+
+    def put(self, event: dict[str, Any]) -> None:
+        start: Optional[threading.Thread] = None
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the thread stayed in the parent
+                self._pid, self._thread = os.getpid(), None
+                self._queue.clear()
+            if self._disabled:
+                self.dropped += 1
+                return
+            if len(self._queue) >= MAX_QUEUED_EVENTS:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(event)
+            if self._thread is None:
+                self._closing.clear()
+                start = self._thread = threading.Thread(
+                    target=self._run, name="esi-sidecar-events", daemon=True)
+        if start is not None:
+            try:
+                start.start()
+            except RuntimeError:  # no thread to be had: the events wait for a later try
+                with self._lock:
+                    self._thread = None
+                return
+            if not self._at_exit:  # what is queued when the job ends is still sent
+                self._at_exit = True
+                atexit.register(self.close)
+        if not self._wake.is_set():  # set() takes a lock; the thread may be awake already
+            self._wake.set()
+
+    def _take(self) -> Optional[list[dict[str, Any]]]:
+        """The next batch; None (and the thread forgotten) when there is nothing to send."""
+        with self._lock:
+            if not self._queue:
+                self._thread = None
+                return None
+            return [self._queue.popleft()
+                    for _ in range(min(len(self._queue), MAX_EVENTS_PER_REQUEST))]
+
+    def _run(self) -> None:
+        endpoint = _Endpoint(self.url, self._timeout, self._token)
+        try:
+            while True:
+                with self._lock:
+                    idle = not self._queue
+                if idle and not self._closing.is_set() and self._wake.wait(EVENT_IDLE_SECONDS):
+                    self._wake.clear()
+                    continue  # look again: the wake may be for events already sent
+                batch = self._take()  # None after a wait without events: the thread ends
+                if batch is None:
+                    return
+                if not self._send(endpoint, batch) and not self._closing.is_set():
+                    self._closing.wait(EVENT_RETRY_SECONDS)
+                if self._closing.is_set() and self.last_error is not None:
+                    with self._lock:  # closing and failing: what is left is dropped
+                        self.dropped += len(self._queue)
+                        self._queue.clear()
+                        self._thread = None
+                    return
+        except Exception:  # a bug of ours must not print into the training job's output
+            with self._lock:
+                self._thread = None
+        finally:
+            endpoint.close()
+
+    def _send(self, endpoint: _Endpoint, batch: list[dict[str, Any]]) -> bool:
+        try:
+            body = json.dumps(batch, separators=(",", ":"), allow_nan=False).encode()
+            endpoint.request_json("POST", EVENTS_PATH, body)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            why = str(exc) if isinstance(exc, _FetchError) else _describe_error(exc, 0)
+            with self._lock:
+                self.dropped += len(batch)
+                self.last_error = why
+                if status in _NO_EVENTS_ENDPOINT:
+                    self._disabled = True
+                    self.dropped += len(self._queue)
+                    self._queue.clear()
+            if status in _NO_EVENTS_ENDPOINT:
+                logger.info("the daemon at %s takes no job events (%s): not sending them",
+                            self.url, why)
+            elif self._failing != why:
+                self._failing = why
+                logger.info("job events to %s failed (%s); dropping them until one goes "
+                            "through", self.url, why)
+            return False
+        with self._lock:
+            self.sent += len(batch)
+            self.last_error = None
+        if self._failing is not None:
+            self._failing = None
+            logger.info("job events reach %s again", self.url)
+        return True
+
+    def close(self) -> None:
+        """Send what is queued (within two timeouts) and stop the thread."""
+        with self._lock:
+            thread = self._thread
+        self._closing.set()
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2 * self._timeout + 0.05)
+        if self._at_exit:
+            self._at_exit = False
+            atexit.unregister(self.close)
 
 
 def _kept(known: Expiry, why: str) -> Expiry:
@@ -318,6 +489,7 @@ class SidecarClient:
         self.degraded_urls: tuple[str, ...] = ()
         self._failing: tuple[str, ...] = ()  # for logging once per change
         self._warned_partial = False
+        self._events: Optional[_EventSender] = None  # started by the first send_event()
 
     def _endpoints_from_environment(self) -> list[_Endpoint]:
         endpoints = []
@@ -476,7 +648,39 @@ class SidecarClient:
             return False
         return min(durable for durable in steps if durable is not None) >= step
 
+    def send_event(self, event: Mapping[str, Any]) -> None:
+        """Queue a job event for this node's daemon (``POST /v1/events``) and return at
+        once: a background thread sends it, one request at a time within ``timeout``, so
+        a slow or dead daemon never delays the caller. Never raises; an event that cannot
+        be sent is dropped and counted in :attr:`events_dropped`. Safe from any thread.
+
+        One daemon gets the events, this node's own: the first URL on loopback, else
+        the first URL (list this node's daemon first). Its history is this node's; with
+        several daemons the others are still asked for their deadlines, as before."""
+        try:
+            sender = self._events
+            if sender is None:
+                own = next((e for e in self._endpoints if e.on_loopback), self._endpoints[0])
+                sender = self._events = _EventSender(own.url, self.timeout, self._token)
+            sender.put(dict(event))
+        except Exception:  # never into the training loop, whatever it was
+            pass
+
+    @property
+    def events_sent(self) -> int:
+        """Events the daemon accepted (202) so far."""
+        return 0 if self._events is None else self._events.sent
+
+    @property
+    def events_dropped(self) -> int:
+        """Events never sent: the queue was full, the request failed, or the daemon has no
+        ``/v1/events``."""
+        return 0 if self._events is None else self._events.dropped
+
     def close(self) -> None:
+        """Close the connections; send the queued events first (within two timeouts)."""
+        if self._events is not None:
+            self._events.close()
         for endpoint in self._endpoints:
             endpoint.close()
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -144,6 +146,9 @@ MAX_SKIP_SECONDS = 5.0
 MAX_SKIP_DECISIONS = 200
 # record_async_write(): the largest of this many recent asynchronous parts is budgeted.
 ASYNC_WRITES_KEPT = 3
+# Job events (the daemon's GET /v1/events and /metrics): the step estimate and the budget
+# go out at most this often; saves, the wait and the stop each time they happen.
+ESTIMATE_EVENT_SECONDS = 30.0
 
 
 class CheckpointGuard:
@@ -170,6 +175,12 @@ class CheckpointGuard:
       across ranks every rank learns the deadline through the reduction and they leave
       together at it. Opt-in, works without any daemon; the guard must be built in the
       main thread, and its handler replaces the process's SIGTERM handler.
+    - ``events``: tell this node's daemon what happens (``POST /v1/events``: step
+      estimates, saves started and finished, durable checkpoints, the wait, the stop), for
+      its ``GET /v1/events`` and ``/metrics`` (docs/events.md). Fire-and-forget: each is
+      a queue put, sent by the client's background thread, so no step waits for the
+      daemon. Default on; ``job`` names the job in them (default ``hostname:pid``), and
+      the rank is ``$RANK`` when set.
 
     Where the deadline comes from (see :class:`DeadlineTracker`, which caches it): the
     daemon's answer while it has a current one; the environment variables when the daemon
@@ -192,6 +203,8 @@ class CheckpointGuard:
         wait_for_release: bool = True,
         sleep: Callable[[float], None] = time.sleep,
         sigterm_grace_seconds: Optional[float] = None,
+        events: bool = True,
+        job: Optional[str] = None,
     ) -> None:
         self._tracker = DeadlineTracker(
             client if client is not None else SidecarClient(),
@@ -236,6 +249,12 @@ class CheckpointGuard:
         #: Collective decisions made, and those skipped because the deadline was far.
         self.reductions = 0
         self.reductions_skipped = 0
+        # Job events: a duck-typed client without send_event() (the simulator's, Ray's
+        # NodeDeadlines) sends none.
+        self._send_event = getattr(self.client, "send_event", None) if events else None
+        self._job = _job_id(job)
+        self._rank = _rank_from_environment()
+        self._next_estimate = -math.inf  # monotonic
 
     @property
     def client(self) -> SidecarClient:
@@ -278,6 +297,10 @@ class CheckpointGuard:
         """
         started_unix = self._clock()
         deadline = self._deadline_for_save()
+        asked = self._last_save_decision
+        self._event("save-started", step=step, save=_save_kind(asked),
+                    budget_seconds=None if asked is None else asked.budget_seconds,
+                    remaining_seconds=None if deadline is None else deadline - started_unix)
         started = self._monotonic()
         yield
         self._record_save(
@@ -356,6 +379,10 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
+        self._event("save-finished", step=step, seconds=seconds, save=_save_kind(asked),
+                    asynchronous=True if committed is not None else None,
+                    remaining_seconds=None if deadline_unix is None
+                    else deadline_unix - self._clock())
         if asked is not None and asked.save_now:  # the save the rule asked for
             now = self._clock()
             uploads = self._tracker.upload_status is not None
@@ -416,6 +443,14 @@ class CheckpointGuard:
         elif decision.too_late and self._said_too_late != self._decided_deadline:
             self._said_too_late = self._decided_deadline  # once per deadline
             logger.warning("no checkpoint for this release: %s", decision.reason)
+            self._event("too-late", reason=decision.reason,
+                        remaining_seconds=decision.remaining_seconds)
+        if self._send_event is not None and self._monotonic() >= self._next_estimate:
+            self._next_estimate = self._monotonic() + ESTIMATE_EVENT_SECONDS
+            self._event("step-estimate", step_seconds=decision.step_seconds,
+                        save_seconds=decision.save_seconds,
+                        budget_seconds=decision.budget_seconds,
+                        remaining_seconds=decision.remaining_seconds)
         return decision.save_now
 
     def should_stop(self) -> bool:
@@ -437,17 +472,23 @@ class CheckpointGuard:
         decision, self._decided_deadline = self._decide(reduce=True)
         self._decided = True
         self._last_decision = decision
-        if decision.stop and not self._stopping:
+        starting = decision.stop and not self._stopping
+        if starting:
             logger.info("stop training: %s", decision.reason)
         self._stopping = decision.stop
         self._follow_final_save()
         if not decision.stop or not self.wait_for_release:
+            if starting:
+                self._event("stop", reason=decision.reason,
+                            remaining_seconds=decision.remaining_seconds)
             return decision.stop
         if self._reducer is None and self._sigterm_deadline() is not None:
             # A SIGTERM is never taken back: leave now, before the SIGKILL.
             self.released = True
             logger.info("SIGTERM received and the checkpoint saved: leaving the training "
                         "loop (exit status %d)", EXIT_RELEASED)
+            self._event("stop", released=True, reason="SIGTERM received and the checkpoint "
+                        "saved")
             return True
         return self._wait_for_release(decision)
 
@@ -462,10 +503,13 @@ class CheckpointGuard:
         )
         logger.info("final checkpoint saved; waiting for the release%s (training resumes "
                     "if it moves later)", _in(decision.remaining_seconds))
+        self._event("waiting", reason=decision.reason,
+                    remaining_seconds=decision.remaining_seconds)
         while True:
             deadline = self._decided_deadline
             if deadline is None:  # the release was called off
                 logger.info("the release was called off: training resumes")
+                self._event("resumed", reason="the release was called off")
                 self._resume_after_wait()
                 return False
             remaining = deadline - self._clock()
@@ -473,6 +517,7 @@ class CheckpointGuard:
                 self.released = True
                 logger.info("the release time has passed: leaving the training loop "
                             "(exit status %d)", EXIT_RELEASED)
+                self._event("stop", released=True, reason="the release time has passed")
                 return True
             self._sleep(min(interval, remaining))
             self._follow_final_save()
@@ -483,6 +528,8 @@ class CheckpointGuard:
             if not decision.stop:
                 logger.info("the release moved later (now%s): training resumes",
                             _in(decision.remaining_seconds))
+                self._event("resumed", reason="the release moved later",
+                            remaining_seconds=decision.remaining_seconds)
                 self._resume_after_wait()
                 return False
             if self._reducer is not None and (
@@ -567,6 +614,9 @@ class CheckpointGuard:
                     final.durable_unix = now
         if final.durable_unix is not None:
             final.reported = True
+            self._event("durable", step=final.step, save=final.name,
+                        lead_seconds=None if final.deadline_unix is None
+                        else final.deadline_unix - final.durable_unix)
             local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
             if final.deadline_unix is None:
                 logger.info("%s checkpoint (step %s) durable%s", final.name, final.step, local)
@@ -576,6 +626,11 @@ class CheckpointGuard:
                             final.deadline_unix - final.durable_unix, local)
         elif lead is not None and lead <= 0:
             final.reported = True
+            unwritten = final.committed is not None and final.committed_unix is None
+            upload = self._tracker.upload_status or "no answer"
+            self._event("not-durable", step=final.step, save=final.name, reason=(
+                "its asynchronous write had not finished" if unwritten
+                else f"the upload had not finished ({upload})") + " when the release came")
             if final.committed is not None and final.committed_unix is None:
                 logger.error("%s checkpoint (step %s) was NOT committed before the release: "
                              "its asynchronous write had not finished", final.name, final.step)
@@ -588,6 +643,24 @@ class CheckpointGuard:
                 logger.error("final checkpoint (step %s) was NOT durable before the release: "
                              "the uploader had not finished (%s)", final.step,
                              self._tracker.upload_status or "no answer")
+
+    def _event(self, kind: str, **fields: object) -> None:
+        """Queue one job event for this node's daemon (``events``); never raises, never
+        waits: the client's thread sends it. None and non-finite values are left out."""
+        send = self._send_event
+        if send is None:
+            return
+        try:
+            event: dict[str, object] = {"kind": kind, "job": self._job, "at_unix": self._clock()}
+            if self._rank is not None:
+                event["rank"] = self._rank
+            for name, value in fields.items():
+                finite = not isinstance(value, float) or math.isfinite(value)
+                if value is not None and finite:
+                    event[name] = value
+            send(event)
+        except Exception:  # a client given by the caller may raise; events are never worth it
+            pass
 
     @property
     def last_decision(self) -> Optional[PolicyDecision]:
@@ -718,6 +791,34 @@ class CheckpointGuard:
         elif state != "degraded" and self._warned_upload == "degraded":
             logger.info("checkpoint uploads work again")
             self._warned_upload = state
+
+
+def _save_kind(asked: Optional[PolicyDecision]) -> str:
+    """What a save made now is for, as the guard follows it (see _record_save)."""
+    if asked is None or not asked.save_now:
+        return "routine"
+    return "top-up" if asked.top_up else "final"
+
+
+def _job_id(job: Optional[str]) -> str:
+    """The job's name in its events: the caller's (checked), else hostname:pid."""
+    if job is None:
+        name = "".join(c if 33 <= ord(c) <= 126 else "-" for c in socket.gethostname())
+        return f"{name[:100] or 'host'}:{os.getpid()}"
+    if not isinstance(job, str) or not 0 < len(job) <= 128 or not all(
+        33 <= ord(c) <= 126 for c in job
+    ):
+        raise ValueError(f"job must be 1 to 128 printable ASCII characters without spaces, "
+                         f"got {job!r}")
+    return job
+
+
+def _rank_from_environment() -> Optional[int]:
+    """``$RANK`` (torchrun, Lightning, DeepSpeed set it), when it is a plain number."""
+    value = os.environ.get("RANK", "").strip()
+    if value.isascii() and value.isdigit() and int(value) <= 1_000_000:
+        return int(value)
+    return None
 
 
 def _in(remaining_seconds: Optional[float]) -> str:
