@@ -65,10 +65,31 @@ def _raw_request(url: str) -> Callable[[], object]:
     return request
 
 
-def _guard(url: str, refresh_seconds: float) -> CheckpointGuard:
-    guard = CheckpointGuard(SidecarClient(url), refresh_seconds=refresh_seconds, environ={})
+def _guard(url: str, refresh_seconds: float, events: bool = True) -> CheckpointGuard:
+    guard = CheckpointGuard(SidecarClient(url), refresh_seconds=refresh_seconds, environ={},
+                            events=events)
     guard.record_step(0.01)  # a measured step, so the rule has a budget to compare with
     return guard
+
+
+def _event_sender(client: SidecarClient) -> Callable[[], object]:
+    """One job event queued per call, as the guard queues one (the thread posts it)."""
+    event = {"kind": "save-started", "job": "bench:1", "step": 1, "save": "routine"}
+
+    def send() -> None:
+        client.send_event(event)
+
+    return send
+
+
+def _saver(guard: CheckpointGuard) -> Callable[[], object]:
+    """``with guard.saving(step): pass``: two events with them on (started, finished)."""
+
+    def save() -> None:
+        with guard.saving(step=1):
+            pass
+
+    return save
 
 
 def _us(ns: float) -> str:
@@ -79,12 +100,16 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
     """``should_save()`` per step, cached and uncached, and ``with guard.step()``."""
     rounds = 1 if quick else 3
     cached_calls = 2_000 if quick else 20_000
+    event_calls = 200 if quick else 2_000  # the sender's queue holds 256: some are dropped
     uncached_calls = 300 if quick else 2_000
     samples: dict[str, list[list[int]]] = {}
 
     def record(name: str, values: list[int]) -> None:
         samples.setdefault(name, []).append(values)
 
+    # A daemon that accepts and never answers (kernel backlog): the events' worst case.
+    hung = socket.create_server(("127.0.0.1", 0), backlog=64)
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     with start_static_daemon() as daemon:
         wait_healthy(daemon)
         url = daemon.url
@@ -92,8 +117,14 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
         client = SidecarClient(url)
         for round_index in range(rounds):
             cached = _guard(url, 1.0)
+            quiet = _guard(url, 1.0, events=False)
             uncached = _guard(url, 0.0)
-            for warm in (cached.should_save, uncached.should_save, raw, client.expiry):
+            events_client = SidecarClient(url)
+            hung_client = SidecarClient(hung_url)
+            send, send_hung = _event_sender(events_client), _event_sender(hung_client)
+            save_on, save_off = _saver(cached), _saver(quiet)
+            for warm in (cached.should_save, quiet.should_save, uncached.should_save, raw,
+                         client.expiry, send, send_hung):
                 for _ in range(50):
                     warm()
 
@@ -102,8 +133,16 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
                     pass
 
             record("empty", time_calls(_nothing, cached_calls))
-            record("cached", time_calls(cached.should_save, cached_calls))
+            # Events off and on, back to back, twice (off, on, off, on): the second pair
+            # shows the noise between two runs of the same call.
+            for _pair in range(2):
+                record("cached-off", time_calls(quiet.should_save, cached_calls))
+                record("cached", time_calls(cached.should_save, cached_calls))
             record("step", time_calls(step, cached_calls))
+            record("save-off", time_calls(save_off, event_calls))
+            record("save-on", time_calls(save_on, event_calls))
+            record("send", time_calls(send, event_calls))
+            record("send-hung", time_calls(send_hung, event_calls))
             record("raw", time_calls(raw, uncached_calls))
             record("client", time_calls(client.expiry, uncached_calls))
             record("uncached", time_calls(uncached.should_save, uncached_calls))
@@ -111,12 +150,14 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
             errors = [g.last_error for g in (cached, uncached) if g.last_error]
             if errors:
                 raise RuntimeError(f"the guard could not reach the daemon: {errors[0]}")
-            cached.client.close()
-            uncached.client.close()
+            for closing in (cached.client, quiet.client, uncached.client, events_client,
+                            hung_client):
+                closing.close()
             print(f"    round {round_index + 1}/{rounds}: should_save cached p50 "
                   f"{median(samples['cached'][-1]) / 1000:.2f} us, uncached p50 "
                   f"{median(samples['uncached'][-1]) / 1000:.1f} us", flush=True)
         client.close()
+    hung.close()
 
     def stat(name: str, q: float) -> float:
         """The median over rounds of the round's percentile ``q``."""
@@ -124,8 +165,16 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
 
     labels = [
         ("empty", "empty loop (a no-op call), baseline", cached_calls),
-        ("cached", "`guard.should_save()`, cached (refresh_seconds=1)", cached_calls),
+        ("cached-off", "`guard.should_save()`, cached (refresh_seconds=1), `events=False`",
+         cached_calls),
+        ("cached", "`guard.should_save()`, cached (refresh_seconds=1), events on (default)",
+         cached_calls),
         ("step", "`with guard.step(): pass`", cached_calls),
+        ("save-off", "`with guard.saving(step=1): pass`, `events=False`", event_calls),
+        ("save-on", "`with guard.saving(step=1): pass`, events on (two events)", event_calls),
+        ("send", "`SidecarClient.send_event()` (a queue put; a thread posts it)", event_calls),
+        ("send-hung", "`SidecarClient.send_event()`, the daemon accepts and never answers",
+         event_calls),
         ("empty-uncached", "empty loop (a no-op call), baseline", uncached_calls),
         ("raw", "bare `http.client` keep-alive GET /v1/expiry, baseline", uncached_calls),
         ("client", "`SidecarClient.expiry()`", uncached_calls),
@@ -136,17 +185,39 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
         baseline = "empty" if calls == cached_calls else "raw"
         if name == "empty-uncached":
             baseline = "empty-uncached"
+        # Events on against events off; the calls without a counterpart against the no-op.
+        baseline = {"cached": "cached-off", "save-on": "save-off", "save-off": "empty",
+                    "send": "empty", "send-hung": "empty"}.get(name, baseline)
         rows.append([
             label, f"{calls:,}", _us(stat(name, 50)), _us(stat(name, 99)), _us(stat(name, 100)),
             f"{stat(name, 50) / stat(baseline, 50):.1f}" if name != baseline else "1.0",
         ])
     cached_p99_us = stat("cached", 99) / 1000
+    # The noise: the two events-off runs of each round against each other.
+    off_runs = samples["cached-off"]
+    noise = median([abs(percentile(off_runs[i], 99) - percentile(off_runs[i + 1], 99))
+                    / percentile(off_runs[i], 99) for i in range(0, len(off_runs) - 1, 2)])
+    on_off = stat("cached", 99) / stat("cached-off", 99)
+    hung_max_us = max(max(values) for values in samples["send-hung"]) / 1000
+    empty_max_us = max(max(values) for values in samples["empty"]) / 1000
     uncached_p99_ms = stat("uncached", 99) / 1e6
     targets = [
         {"target": "`should_save()` p99 < 50 us, cached",
          "measured": f"{cached_p99_us:.1f} us (p50 {stat('cached', 50) / 1000:.1f} us; "
                      f"empty loop p99 {stat('empty', 99) / 1000:.2f} us)",
          "met": cached_p99_us < 50},
+        {"target": "events on: cached `should_save()` p99 no higher than with them off, "
+                   "within noise",
+         "measured": f"{stat('cached', 99) / 1000:.1f} us on vs "
+                     f"{stat('cached-off', 99) / 1000:.1f} us off ({on_off:.2f} x; two "
+                     f"off runs differ by {noise:.0%})",
+         "met": on_off <= 1 + max(0.1, 2 * noise)},
+        {"target": "no step waits for the daemon: `send_event()` while it hangs, p99 < 50 us "
+                   "and max < 50 ms (a wait would be its 200 ms timeout)",
+         "measured": f"p99 {stat('send-hung', 99) / 1000:.1f} us, max {hung_max_us:,.1f} us "
+                     f"over {sum(len(v) for v in samples['send-hung']):,} calls (the empty "
+                     f"loop's max, this machine's noise: {empty_max_us:,.1f} us)",
+         "met": stat("send-hung", 99) / 1000 < 50 and hung_max_us < 50_000},
         {"target": "`should_save()` p99 < 2 ms, uncached",
          "measured": f"{uncached_p99_ms:.3f} ms (p50 {stat('uncached', 50) / 1e6:.3f} ms; "
                      f"bare http.client p99 {stat('raw', 99) / 1e6:.3f} ms)",
@@ -175,6 +246,12 @@ def main_overhead(quick: bool = False) -> dict[str, Any]:
             "falls inside it, and its cost shows in the max column only.",
             "Uncached: `refresh_seconds=0`, so every call is one keep-alive round trip to the "
             "daemon plus JSON decoding and validation.",
+            "Events (docs/events.md): the guard queues a step estimate at most every 30 s, so "
+            "a cached `should_save()` round holds at most one; each save queues two. "
+            "`send_event()` is what the guard pays per event; the client's thread posts it "
+            "(against the hung daemon its queue of 256 fills and drops the oldest). The "
+            "ratio column compares events on with events off, and `send_event()` with the "
+            "empty loop.",
         ],
         "figures": {name: {"p50_ns": stat(name, 50), "p99_ns": stat(name, 99)}
                     for name in samples},
