@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
 from sidecar.host.events import EventHistory, add_event_routes
+from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -180,7 +181,10 @@ def create_app(
         responses={503: {"model": HealthBody}},
     )
     async def healthz() -> Response:
-        now = clock()
+        code, body = health_body(clock())
+        return _json(body, code)
+
+    def health_body(now: float) -> tuple[int, dict[str, Any]]:
         snapshot = store.snapshot()  # one read: the verdict and the details agree
         health = build_health(snapshot, now)
         sources = {
@@ -203,7 +207,7 @@ def create_app(
             # down, and a 503 here would make systemd or Kubernetes restart a daemon
             # whose restart fixes nothing.
             body["uploads"] = uploads.summary(now)
-        return _json(body, 200 if health.ok else 503)
+        return (200 if health.ok else 503), body
 
     @app.get("/v1/uploads", response_model=UploadsBody,
              summary="Checkpoint uploads: per checkpoint state, and the last durable step")
@@ -218,6 +222,25 @@ def create_app(
 
     if events is not None:  # the jobs' events (sidecar.host.events)
         add_event_routes(app, events, clock)
+
+    @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",
+             response_class=Response)
+    async def status_page(
+        fragment: Annotated[bool, Query(description="only the page's content (its script "
+                                         "fetches it every 5 s)")] = False,
+    ) -> Response:
+        now = clock()
+        expiry = current_expiry(store, uploads, now).to_json()
+        _code, health = health_body(now)
+        text = render_page(
+            expiry=expiry, health=health, moves=store.moves(), now=now, fragment=fragment,
+            events=None if events is None else events.body(limit=50, now=now),
+            uploads=None if uploads is None else uploads.body(now, 10),
+        )
+        return Response(text, media_type="text/html; charset=utf-8", headers={
+            "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+        })
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
