@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 from sidecar.train.checkpoint import latest_valid
@@ -13,13 +14,29 @@ from sidecar.train.checkpoint import latest_valid
 
 def test_demo_saves_in_time_survives_the_kill_and_resumes(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    result = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "sidecar.cli", "demo", "--lead", "20", "--tail", "2",
          "--step-seconds", "0.25", "--poll-interval", "1", "--workdir", str(workdir)],
-        capture_output=True, text=True, timeout=180,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    lines, page = [], ""
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:  # while the demo runs: the page it points to answers
+            lines.append(line)
+            found = re.search(r"watch it live: open (http://127\.0\.0\.1:\d+/) in a browser",
+                              line)
+            if found and not page:
+                with urllib.request.urlopen(found.group(1), timeout=5) as response:
+                    page = response.read().decode()
+        _, errors = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    out = "".join(lines)
+    assert process.returncode == 0, out + errors
+    assert 'id="countdown"' in page and "Release in" in page, page[:2000]
     assert "RELEASED: the machine is reclaimed" in out and "its local disk is gone" in out
     assert "brought the checkpoint of step" in out  # restored from the volume
     assert "trainer resumed from step" in out

@@ -224,6 +224,8 @@ def run_demo(args: argparse.Namespace) -> int:
         screen.say(f"2. Daemon on {url} sees it: {expiry.get('remaining_seconds', 0):.0f} s "
                    f"left (source {expiry.get('source')}); it uploads checkpoints from "
                    f"{LOCAL_DISK}/ to {NETWORK_VOLUME}/ at {args.upload_bandwidth}/s")
+        screen.say(f"   watch it live: open {url}/ in a browser (the countdown, the saves, "
+                   "the uploads)")
 
         first = _start_trainer(args, url, total_steps, 1, wait_after_stop=True)
         runs.append(first)
