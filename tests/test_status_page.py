@@ -142,3 +142,30 @@ def test_the_countdown_text_matches_the_scripts_format() -> None:
     assert human_duration(245) == "4 min 05 s"
     assert human_duration(7.9) == "7 s"
     assert human_duration(-3) == "0 s"
+
+
+def test_the_page_says_when_uploads_fail_and_when_nothing_is_known() -> None:
+    from sidecar.host.page import render_page
+
+    now = 1_900_000_000.0
+    page = render_page(
+        expiry={"expires_at_unix": None, "server_time_unix": now}, moves=[], events=None,
+        health={"status": "starting", "reason": "volcengine-esi: no successful poll yet",
+                "sources": {"volcengine-esi": {"last_success_age_seconds": None,
+                                               "error": None}}},
+        uploads={"enabled": True, "status": "degraded", "degraded": True,
+                 "error": "PutObject failed: AccessDenied", "last_durable_step": 40,
+                 "last_durable_at_unix": now - 600, "checkpoints": []},
+        now=now, host="gpu-1")
+    assert "no release known" in page and 'class="light starting"' in page
+    assert "degraded" in page and "PutObject failed: AccessDenied" in page
+    assert "last durable step 40 (10 min 00 s ago)" in page
+    assert 'data-state="waiting"' in page and "No training job has reported" in page
+    # Whatever a source says is shown as text, never as markup.
+    hostile = render_page(
+        expiry={"expires_at_unix": now + 60, "server_time_unix": now,
+                "error": "<script>alert(1)</script>", "source": "<b>x</b>"},
+        health={"status": "degraded", "reason": "<img src=x onerror=alert(1)>"},
+        moves=[], events=None, uploads=None, now=now, host="gpu-1")
+    assert "<script>alert(1)" not in hostile and "&lt;script&gt;" in hostile
+    assert "<img src=x" not in hostile and "<b>x</b>" not in hostile
