@@ -298,8 +298,15 @@ def test_the_sender_thread_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> No
         client = SidecarClient(daemon.url)
         client.send_event(event("step-estimate"))
         wait_for(lambda: client.events_sent == 1)
-        wait_for(lambda: not any(t.name == "esi-sidecar-events" and t.is_alive()
-                                 for t in threading.enumerate()))
+        sender = client._events
+        assert sender is not None
+        # This client's thread (others' may live on from earlier tests in the process);
+        # it may be gone already.
+        first = sender._thread
+        if first is not None:
+            first.join(10)
+            assert not first.is_alive()
+        wait_for(lambda: sender._thread is None)
         client.send_event(event("step-estimate"))  # a new thread, started lazily
         wait_for(lambda: client.events_sent == 2)
         client.close()
