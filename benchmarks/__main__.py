@@ -129,6 +129,12 @@ def _upload(quick: bool) -> dict[str, Any]:
     return bench_upload.main(quick=quick)
 
 
+def _soak(quick: bool) -> dict[str, Any]:
+    from benchmarks.bench_soak import main
+
+    return main(quick)
+
+
 BENCHMARKS = (
     Benchmark("throughput", "daemon /v1/expiry throughput and latency vs bare uvicorn",
               _throughput),
@@ -146,6 +152,8 @@ BENCHMARKS = (
               _checkpoint),
     Benchmark("upload", "checkpoint upload: the uploader vs boto3 upload_file, to moto on "
               "loopback", _upload),
+    Benchmark("soak", "the daemon for 10 min: 64 keep-alive clients, hostile connections, "
+              "rotating cloud faults", _soak),
 )
 
 
