@@ -98,6 +98,8 @@ def parse_unix(number: float, *, original: object = None) -> datetime:
             f"not a timestamp: {shown} is too large for Unix seconds or milliseconds"
         )
     seconds = number / 1000.0 if number >= _MILLIS_FROM else float(number)
+    if seconds < EARLIEST.timestamp():  # milliseconds of 1973-1999
+        raise TimestampError(f"not a plausible deadline: {shown} is before the year 2000")
     return datetime(1970, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=seconds)
 
 
@@ -127,7 +129,12 @@ def parse_timestamp(
     if isinstance(value, bool) or value is None:
         raise TimestampError(f"not a timestamp: {_describe(value)}")
     if isinstance(value, (int, float)):
-        return ParsedTime(parse_unix(float(value), original=value).astimezone(timezone.utc))
+        try:
+            number = float(value)
+        except OverflowError:  # an int from JSON with hundreds of digits
+            raise TimestampError("not a timestamp: an integer too large for Unix seconds or "
+                                 "milliseconds") from None
+        return ParsedTime(parse_unix(number, original=value).astimezone(timezone.utc))
     if not isinstance(value, str):
         raise TimestampError(f"not a timestamp: {_describe(value)}")
     if not value.strip():
@@ -203,7 +210,10 @@ def parse_http_date(value: str) -> ParsedTime:
         raise TimestampError(f"not an RFC 1123 date: {_describe(value)}") from None
     if when.tzinfo is None:  # "-0000": the zone is unknown
         raise TimestampError(f"no time zone in {_describe(value)}")
-    when = when.astimezone(timezone.utc)
+    try:
+        when = when.astimezone(timezone.utc)
+    except OverflowError:  # 31 Dec 9999 23:59:59 -0100 is in the year 10000 in UTC
+        raise TimestampError(f"out of range: {_describe(value)}") from None
     if when < EARLIEST:
         raise TimestampError(f"before 2000, not a deadline: {_describe(value)}")
     return ParsedTime(when)

@@ -31,7 +31,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from sidecar.host.events import MAX_LIMIT
 from sidecar.timeparse import format_rfc3339
 
 EXAMPLES = 50
@@ -76,14 +75,6 @@ def schema(daemon: RunningDaemon) -> Any:
     return schemathesis.openapi.from_url(daemon.url + "/openapi.json")
 
 
-def known_mismatch(case: Any) -> bool:
-    """A valid request by the schema that the daemon refuses, pinned by the strict xfail
-    test below (drop this and the mark once fixed): GET /v1/events?limit= over 500."""
-    limit = (case.query or {}).get("limit")
-    return (case.operation.path == "/v1/events" and isinstance(limit, str)
-            and limit.isdigit() and int(limit) > MAX_LIMIT)
-
-
 def get_operations(schema: Any) -> list[Any]:
     operations = [result.ok() for result in schema.get_all_operations()]
     return [op for op in operations if op.method.upper() == "GET"]
@@ -102,8 +93,7 @@ def fuzz(operation: Any, mode: GenerationMode, url: str, session: requests.Sessi
     # (each example is one HTTP request).
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
-    @given(case=operation.as_strategy(generation_mode=mode).filter(
-        lambda case: not (mode is GenerationMode.POSITIVE and known_mismatch(case))))
+    @given(case=operation.as_strategy(generation_mode=mode))
     def exchange(case: Any) -> None:
         nonlocal made
         made += 1
@@ -141,9 +131,6 @@ def admitted(declared: dict[str, Any], value: str) -> bool:
     return True
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the schema lets limit be 1 to 4 digits; the daemon refuses more "
-                          "than 500 with 422")
 def test_every_events_limit_the_schema_admits_is_taken(
     daemon: RunningDaemon, schema: Any
 ) -> None:

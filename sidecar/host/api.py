@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -26,12 +25,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator
-from pydantic_core import PydanticCustomError
 
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
 from sidecar.host.events import EventHistory, add_event_routes
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
+from sidecar.host.query import digits
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -105,16 +104,6 @@ MAX_QUERY_SECONDS = 1e7
 def _seconds(description: str, default: Any = ...) -> Any:
     return Query(default, ge=0, le=MAX_QUERY_SECONDS, allow_inf_nan=False,
                  description=description)
-
-
-def _digits(value: Any) -> Any:
-    """A count in a query is written in digits: pydantic's int would also take "1.0",
-    "1_000", "+5" and " 5" (what int() and float() take), and a client that sent any of
-    them meant something else (issue 13)."""
-    if isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
-        raise PydanticCustomError("whole_number",
-                                  "must be a whole number written in digits, such as 100")
-    return value
 
 
 def create_app(
@@ -213,7 +202,7 @@ def create_app(
              summary="Checkpoint uploads: per checkpoint state, and the last durable step")
     async def upload_status(
         limit: Annotated[int, Query(ge=0, le=1000, description="newest checkpoints to list"),
-                         BeforeValidator(_digits)] = 100,
+                         BeforeValidator(digits)] = 100,
     ) -> Response:
         if uploads is None:
             return _json({"enabled": False, "status": None, "degraded": False, "error": None,

@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -38,6 +39,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from sidecar.host.query import digits
 
 __all__ = [
     "EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes",
@@ -472,12 +475,11 @@ def add_event_routes(app: FastAPI, history: EventHistory,
 
     @app.get("/v1/events", summary="Job events on this node, newest first, and a summary")
     async def get_events(
-        limit: Annotated[str, Query(pattern=r"^[0-9]{1,4}$", description=(
-            f"newest events to list, 0 to {MAX_LIMIT}, written in digits"))] = "100",
+        limit: Annotated[int, Query(ge=0, le=MAX_LIMIT, description=(
+            f"newest events to list, 0 to {MAX_LIMIT}, written in digits")),
+            BeforeValidator(digits)] = 100,
     ) -> Response:
-        if int(limit) > MAX_LIMIT:
-            return _refused(422, f"limit: must be at most {MAX_LIMIT}")
-        return Response(json.dumps(history.body(int(limit), clock()), separators=(",", ":")),
+        return Response(json.dumps(history.body(limit, clock()), separators=(",", ":")),
                         media_type="application/json")
 
 

@@ -526,7 +526,7 @@ class SavePolicy:
             return decision(False, False, f"saved for this deadline; remaining "
                             f"{remaining_seconds:.1f} s > {step_seconds + durable:.1f} s: "
                             "training on towards a top-up save", top_up=True)
-        if steps_after_final > 0 and remaining_seconds >= durable:
+        if steps_after_final > 0 and remaining_seconds >= durable and remaining_seconds > 0:
             return decision(True, False, f"remaining {remaining_seconds:.1f} s <= "
                             f"{step_seconds + durable:.1f} s: top-up save now", top_up=True)
         return decision(False, True, "saved for this deadline; no further step fits: stop")
