@@ -176,7 +176,9 @@ def closed_by_peer(sockets: list[socket.socket], deadline: float) -> int:
 def test_two_thousand_hostile_connections_at_a_1024_fd_limit(
     emulator: Emulator, own_fd_limit: None, tmp_path: Path
 ) -> None:
-    served = daemon_process(tmp_path, "--source", "volcengine-esi",
+    # Every --poll-interval: the poller is shown to keep polling (a far release would be
+    # polled every few minutes on the adaptive schedule).
+    served = daemon_process(tmp_path, "--source", "volcengine-esi", "--poll-schedule", "fixed",
                             "--api-endpoint", emulator.url, "--metadata-url", emulator.url)
     with served as (process, url, log), ExitStack() as stack:
         wait_for(lambda: (fetch_json(url + "/healthz") or (0,))[0] == 200, timeout=60)

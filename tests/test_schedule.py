@@ -210,3 +210,14 @@ def test_a_far_host_that_is_throttled_retries_at_its_planned_interval(
     fixed = Poller([source], store, interval=BASE, rng=random.Random(0), adaptive=False)
     emulator.inject_fault("throttle", count=7)
     assert max(fixed.poll_once(source) for _ in range(7)) <= BASE * 1.2
+
+
+def test_the_cap_applies_to_the_real_api_and_not_to_the_emulator() -> None:
+    from sidecar.host.schedule import DEFAULT_MAX_API_RATE
+
+    assert Settings().effective_max_api_rate == DEFAULT_MAX_API_RATE
+    assert Settings(api_endpoint="https://open.volcengineapi.com").effective_max_api_rate == (
+        DEFAULT_MAX_API_RATE)
+    assert Settings(api_endpoint="http://127.0.0.1:9000").effective_max_api_rate is None
+    assert Settings(api_endpoint="http://127.0.0.1:9000",
+                    max_api_rate=60.0).effective_max_api_rate == 60.0

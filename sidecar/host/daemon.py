@@ -85,10 +85,11 @@ def build_daemon(settings: Settings) -> Daemon:
     sources = build_sources(settings)
     store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
     events = EventHistory()  # kept in the state file by the poller's writes
+    rate = settings.effective_max_api_rate
     poller = Poller(
         sources, store, interval=settings.poll_interval, state_file=settings.state_file,
-        adaptive=settings.poll_schedule == "adaptive", budget=ApiBudget(settings.max_api_rate),
-        extra_state=events.state,
+        adaptive=settings.poll_schedule == "adaptive",
+        budget=None if rate is None else ApiBudget(rate), extra_state=events.state,
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None

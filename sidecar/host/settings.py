@@ -88,7 +88,7 @@ class Settings:
     # The ESI release's schedule (sidecar.host.schedule, docs/polling.md) and the cap on
     # this host's OpenAPI calls per hour.
     poll_schedule: str = "adaptive"
-    max_api_rate: float = DEFAULT_MAX_API_RATE
+    max_api_rate: Optional[float] = None  # None: see effective_max_api_rate
     state_file: Optional[Path] = None
     log_level: str = "INFO"
     expires_at: Optional[str] = None
@@ -115,6 +115,16 @@ class Settings:
     gcp_metadata_url: str = DEFAULT_GCP_METADATA_URL
     azure_metadata_url: str = DEFAULT_AZURE_METADATA_URL
     azure_approve: bool = False  # approve (StartRequests) once the checkpoint is durable
+
+    @property
+    def effective_max_api_rate(self) -> Optional[float]:
+        """The cap on this host's OpenAPI calls per hour: as set, else the default, except
+        against a loopback --api-endpoint (the emulator: no account to protect)."""
+        if self.max_api_rate is not None:
+            return self.max_api_rate
+        if self.api_endpoint is not None and _is_loopback_url(self.api_endpoint):
+            return None
+        return DEFAULT_MAX_API_RATE
 
     @property
     def effective_stale_after(self) -> float:
@@ -362,8 +372,8 @@ OPTIONS: tuple[Option, ...] = (
            "--poll-interval in the final 15 min; docs/polling.md) or fixed (every "
            "--poll-interval)", "adaptive|fixed"),
     Option("max_api_rate", _api_rate, "most OpenAPI calls per hour this host makes, all "
-           f"sources together, retries included (default {DEFAULT_MAX_API_RATE:g}); a call "
-           "over it waits", "CALLS"),
+           f"sources together, retries included (default {DEFAULT_MAX_API_RATE:g}; none "
+           "against a loopback --api-endpoint, the emulator); a call over it waits", "CALLS"),
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
            "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
