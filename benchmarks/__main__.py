@@ -4,7 +4,7 @@ Benchmarks are not tests: each prints figures and ratios against a baseline meas
 the same run, and states its targets as met or not met; none fails on a figure. The exit
 status is non-zero only when a benchmark could not run at all.
 
-    python -m benchmarks                     # everything (a few minutes)
+    python -m benchmarks                     # everything (about 25 minutes; the soak: 10)
     python -m benchmarks --quick             # fewer requests and repeats: a smoke run
     python -m benchmarks --only client       # one benchmark (comma-separate several)
     python -m benchmarks --out /tmp/b.md     # write elsewhere
