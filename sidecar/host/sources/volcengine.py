@@ -391,7 +391,9 @@ class VolcengineEsiSource:
             return SourceError(_NO_CREDENTIALS)
         if isinstance(exc, (AttributeError, KeyError, TypeError, ValueError)):
             # The SDK's deserializer trips over a body that is not the JSON it expects.
-            return SourceError(f"{action} failed: malformed response ({type(exc).__name__}: {exc})")
+            # Said as what it is, the answer's fault; the parser's own words are no help.
+            return SourceError(f"{action} failed: malformed response (not the JSON the API "
+                               f"answers; the SDK's parser raised {type(exc).__name__})")
         return SourceError(f"{action} failed: {type(exc).__name__}: {exc}")
 
     @staticmethod
