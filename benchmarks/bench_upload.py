@@ -79,7 +79,7 @@ def _measure(files_mb: tuple[int, ...], repeats: int) -> dict[str, Any]:
     from sidecar.host.upload.location import S3Location
     from sidecar.host.upload.storage import StorageConfig, make_client, transfer_config
     from sidecar.host.upload.uploader import Uploader, UploaderConfig
-    from sidecar.train.checkpoint import atomic_checkpoint
+    from sidecar.checkpoint.folders import atomic_checkpoint
 
     server, endpoint = _start_moto()
     try:

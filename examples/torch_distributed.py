@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from sidecar import SavePolicy
 from sidecar.integrations.distributed import distributed_guard
-from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from sidecar.integrations.dcp import DistributedCheckpoint
 from sidecar.integrations.distributed import distributed_guard
-from sidecar.train.checkpoint import CheckpointError, latest_valid
+from sidecar.checkpoint.folders import CheckpointError, latest_valid
 from sidecar.train.client import SidecarClient
 from sidecar.train.policy import SavePolicy
 

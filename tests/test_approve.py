@@ -13,7 +13,7 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.tools.emulator.azure import AzureImdsEmulator
-from sidecar.train.checkpoint import atomic_checkpoint
+from sidecar.checkpoint.folders import atomic_checkpoint
 from sidecar.train.client import SidecarClient
 
 

@@ -1,4 +1,4 @@
-"""sidecar.train.checkpoint: atomic commit, crash safety, validation, retention, RNG state.
+"""sidecar.checkpoint.folders: atomic commit, crash safety, validation, retention, RNG state.
 
 Everything runs on real files under tmp_path. The crash tests run a real writer in a
 subprocess and SIGKILL it at exact points of a save: the writer reports each phase on
@@ -28,7 +28,7 @@ import pytest
 
 from sidecar.timeparse import parse_timestamp
 from sidecar.train import checkpoint
-from sidecar.train.checkpoint import (
+from sidecar.checkpoint.folders import (
     LATEST_NAME,
     MANIFEST_NAME,
     CheckpointError,
@@ -42,7 +42,7 @@ from sidecar.train.checkpoint import (
     restore_rng_state,
     validate,
 )
-from sidecar.train.leftovers import writer_tag
+from sidecar.checkpoint.leftovers import writer_tag
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -262,7 +262,7 @@ def test_corrupt_checkpoints_are_skipped_with_a_reason(
     if needs_checksums:  # same sizes: only the hash can tell
         assert latest_valid(tmp_path) == newer
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
         assert latest_valid(tmp_path, verify_checksums=needs_checksums) == older
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 1
@@ -283,7 +283,7 @@ def test_partial_folders_and_foreign_folders(
     (tmp_path / "step_00000009").mkdir()  # a step-like folder with no manifest
     (tmp_path / "step_00000009" / "model.bin").write_bytes(b"half")
     (tmp_path / "tensorboard").mkdir()  # not a checkpoint at all: not even listed
-    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
         assert latest_valid(tmp_path) == older
     assert any(
         "step_00000009" in r.getMessage() and "no MANIFEST" in r.getMessage()
@@ -308,7 +308,7 @@ def test_pointer_at_a_deleted_folder_falls_back_to_scanning(
     newer = save(tmp_path, 2)
     shutil.rmtree(newer.path)
     assert (tmp_path / LATEST_NAME).read_text() == "step_00000002\n"
-    with caplog.at_level(logging.WARNING, logger="sidecar.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.checkpoint"):
         assert latest_valid(tmp_path) == older
     assert any("step_00000002 (missing)" in r.getMessage() for r in caplog.records)
 
@@ -683,7 +683,7 @@ def _top_level_modules_after(statement: str) -> set[str]:
 
 def test_importing_checkpoint_pulls_in_only_the_standard_library() -> None:
     # Compared with a bare interpreter, so site hooks (.pth files) do not count.
-    loaded = (_top_level_modules_after("import sidecar.train.checkpoint")
+    loaded = (_top_level_modules_after("import sidecar.checkpoint.folders")
               - _top_level_modules_after(""))
     forbidden = {
         "torch",

@@ -3,7 +3,7 @@ standard library alone, and on the oldest Python we support (3.9) when one is in
 
 Each run makes a bare virtual environment (no pip, no site-packages of ours), puts only
 the source tree on the path, and in it imports the training side (``sidecar.train.client``,
-``sidecar.train.checkpoint``, the verl and torch.distributed integrations), takes decisions
+``sidecar.checkpoint.folders``, the verl and torch.distributed integrations), takes decisions
 against a live daemon (started here, in the test process, which has the server extras),
 runs ``esi-sidecar status`` against it, and lists every server dependency or daemon
 module that got imported.
@@ -26,7 +26,7 @@ from typing import Optional
 import pytest
 from daemon_harness import serve_daemon
 
-from sidecar.train.checkpoint import latest_valid, list_checkpoints
+from sidecar.checkpoint.folders import latest_valid, list_checkpoints
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ import importlib.util, json, sys
 missing = {name: importlib.util.find_spec(name) is None for name in ("fastapi", "pydantic")}
 
 import sidecar
-import sidecar.train.checkpoint
+import sidecar.checkpoint.folders
 import sidecar.integrations.distributed
 import sidecar.integrations.verl
 from sidecar.train.client import SidecarClient

@@ -9,7 +9,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from sidecar.train.checkpoint import latest_valid
+from sidecar.checkpoint.folders import latest_valid
 
 
 def test_demo_saves_in_time_survives_the_kill_and_resumes(tmp_path: Path) -> None:

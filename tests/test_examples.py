@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
-from sidecar.train.checkpoint import list_checkpoints
+from sidecar.checkpoint.folders import list_checkpoints
 from sidecar.train.client import ENV_URL
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 

@@ -49,7 +49,7 @@ from image_support import (
 )
 
 from sidecar.tools.emulator import Emulator
-from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from rank_launcher import base_environment, run_ranks
 
-from sidecar.train.checkpoint import MANIFEST_NAME, latest_valid, list_checkpoints
+from sidecar.checkpoint.folders import MANIFEST_NAME, latest_valid, list_checkpoints
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.frameworks

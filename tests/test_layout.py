@@ -96,7 +96,10 @@ def _where(found: Import) -> str:
 
 
 def test_the_tree_has_the_three_sides() -> None:
-    for package in ("sidecar.train", "sidecar.host", "sidecar.tools", "sidecar.integrations"):
+    for package in (
+        "sidecar.train", "sidecar.checkpoint", "sidecar.host", "sidecar.tools",
+        "sidecar.integrations",
+    ):
         assert package in MODULES, package
     flat = sorted(m for m in MODULES if m.count(".") == 1 and not _is_package(m))
     # Beside the three groups only the shared modules and the entry point live at the top.
@@ -114,15 +117,15 @@ def test_shared_modules_import_nothing_from_the_project() -> None:
 
 # Restoring a checkpoint's NumPy / torch RNG state needs that library, imported only when
 # the checkpoint holds its state (and the program could save it, so it is installed).
-RNG_RESTORE = {("sidecar.train.rng", "numpy"), ("sidecar.train.rng", "torch")}
+RNG_RESTORE = {("sidecar.checkpoint.rng", "numpy"), ("sidecar.checkpoint.rng", "torch")}
 
 
 def test_training_side_is_standard_library_and_training_side_only() -> None:
-    allowed = ("sidecar.train", *SHARED)
+    allowed = ("sidecar.train", "sidecar.checkpoint", *SHARED)
     broken = [
         _where(i)
         for i in IMPORTS
-        if _in(i.module, "sidecar.train") or i.module == "sidecar"
+        if _in(i.module, "sidecar.train", "sidecar.checkpoint") or i.module == "sidecar"
         if not (_in(i.target, *allowed) or i.target.split(".")[0] in STDLIB)
         if not ((i.module, i.target) in RNG_RESTORE and not i.top_level)
     ]
@@ -135,11 +138,24 @@ def test_integrations_import_the_training_side_and_their_framework_only() -> Non
         if not _in(found.module, "sidecar.integrations"):
             continue
         top = found.target.split(".")[0]
-        if _in(found.target, "sidecar.train", "sidecar.integrations", *SHARED) or top in STDLIB:
+        inside = ("sidecar.train", "sidecar.checkpoint", "sidecar.integrations", *SHARED)
+        if _in(found.target, *inside) or top in STDLIB:
             continue
         if top in FRAMEWORKS.get(found.module, set()) and not found.top_level:
             continue  # its own framework, imported lazily
         broken.append(_where(found))
+    assert broken == []
+
+
+def test_the_checkpoint_format_imports_only_itself() -> None:
+    """Both sides read and write checkpoints: the format depends on neither of them."""
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if _in(i.module, "sidecar.checkpoint")
+        if not (_in(i.target, "sidecar.checkpoint") or i.target.split(".")[0] in STDLIB)
+        if not ((i.module, i.target) in RNG_RESTORE and not i.top_level)
+    ]
     assert broken == []
 
 

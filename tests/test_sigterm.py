@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.train.checkpoint import latest_valid
+from sidecar.checkpoint.folders import latest_valid
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy

@@ -24,7 +24,7 @@ from test_upload_support import (
 from sidecar.host.upload import transfer
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
-from sidecar.train.checkpoint import list_checkpoints
+from sidecar.checkpoint.folders import list_checkpoints
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,7 @@ from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.restore import restore
 from sidecar.host.upload.uploader import MARKER_NAME
 from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
-from sidecar.train.checkpoint import latest_valid
+from sidecar.checkpoint.folders import latest_valid
 from sidecar.train.client import SidecarClient
 
 STATIC = {"sources": ("static",), "expires_at": "2030-01-01T00:00:00Z"}

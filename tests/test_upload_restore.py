@@ -22,7 +22,7 @@ from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.restore import restore
 from sidecar.host.upload.transfer import upload_checkpoint
 from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
-from sidecar.train.checkpoint import LATEST_NAME, latest_valid
+from sidecar.checkpoint.folders import LATEST_NAME, latest_valid
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from moto.server import ThreadedMotoServer
 
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.storage import StorageConfig, make_client
-from sidecar.train.checkpoint import CheckpointInfo, atomic_checkpoint
+from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
 
 __all__ = ["ACCESS_KEY", "MIB", "SECRET_KEY", "S3Server", "isolate_aws_env", "make_checkpoint",
            "running_s3", "wait_for"]

@@ -18,7 +18,7 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.host.upload.volume import EXIT_NOTHING, VolumeDestination, restore_from_volume
-from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.train.client import SidecarClient
 
 MIB = 1 << 20
@@ -115,7 +115,7 @@ _KILLED_COPY = textwrap.dedent("""
     import sys
     from pathlib import Path
     from sidecar.host.upload.volume import copy_checkpoint
-    from sidecar.train.checkpoint import latest_valid
+    from sidecar.checkpoint.folders import latest_valid
     local, volume = Path(sys.argv[1]), Path(sys.argv[2])
     info = latest_valid(local)
     raw = (info.path / "MANIFEST.json").read_bytes()

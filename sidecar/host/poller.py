@@ -37,7 +37,7 @@ from sidecar.host.schedule import (
 from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
 from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
-from sidecar.train.durable import replace_atomically
+from sidecar.checkpoint.durable import replace_atomically
 
 __all__ = ["Poller", "load_state", "save_state"]
 

@@ -2,7 +2,7 @@
 rank writes, committed atomically, and an asynchronous save that counts only once written.
 
 DCP writes one checkpoint from every rank (each its own shards, rank 0 the ``.metadata``).
-:class:`~sidecar.train.checkpoint.atomic_checkpoint` alone cannot hold that: its temporary
+:class:`~sidecar.checkpoint.folders.atomic_checkpoint` alone cannot hold that: its temporary
 folder is named by one writer. Here rank 0 opens the temporary folder and tells the other
 ranks its name, every rank writes into it, and rank 0 commits it (fsync, ``MANIFEST.json``
 last, rename, ``latest``) once DCP has finished on every rank; so the commit and
@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.train.checkpoint import (
+from sidecar.checkpoint.folders import (
     CheckpointError,
     CheckpointInfo,
     atomic_checkpoint,
@@ -51,7 +51,7 @@ from sidecar.train.checkpoint import (
     validate,
 )
 from sidecar.train.guard import CheckpointGuard
-from sidecar.train.manifest import PathLike
+from sidecar.checkpoint.manifest import PathLike
 
 __all__ = ["DistributedCheckpoint", "PendingCheckpoint"]
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.train.durable import fsync_path, sync_tree
+from sidecar.checkpoint.durable import fsync_path, sync_tree
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 

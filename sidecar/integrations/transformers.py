@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.train.durable import replace_atomically
+from sidecar.checkpoint.durable import replace_atomically
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 

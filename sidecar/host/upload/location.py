@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
-from sidecar.train.manifest import MANIFEST_NAME
+from sidecar.checkpoint.manifest import MANIFEST_NAME
 
 __all__ = ["S3Location", "parse_destination", "parse_s3_url", "parse_volume_url"]
 

@@ -35,8 +35,8 @@ from sidecar.host.upload.volume import (
     commit_folder,
     point_latest,
 )
-from sidecar.train.checkpoint import CheckpointError, clean_leftovers, validate
-from sidecar.train.manifest import CheckpointInfo, Invalid
+from sidecar.checkpoint.folders import CheckpointError, clean_leftovers, validate
+from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 
 __all__ = ["find_complete", "restore"]
 

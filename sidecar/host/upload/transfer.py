@@ -32,7 +32,7 @@ from sidecar.host.upload.storage import (
     transfer_config,
 )
 from sidecar.host.upload.volume import Cancelled  # one class for both destinations
-from sidecar.train.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, Invalid, read_manifest
+from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, Invalid, read_manifest
 
 log = logging.getLogger("sidecar.host.upload.transfer")
 
@@ -50,7 +50,7 @@ WAIT_SLICE_SECONDS = 0.2
 
 # Test seam: called with (phase, detail) at each step of an upload, so the crash tests
 # can stop a daemon subprocess at an exact point without sleeping. Never set in
-# production (the same pattern as sidecar.train.checkpoint._phase_hook).
+# production (the same pattern as sidecar.checkpoint.folders._phase_hook).
 _phase_hook: Optional[Callable[[str, Any], None]] = None
 
 

@@ -44,8 +44,8 @@ from sidecar.host.upload.storage import StorageConfig, make_client
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
-from sidecar.train.checkpoint import CheckpointInfo, list_checkpoints, prune
-from sidecar.train.manifest import MANIFEST_NAME, UPLOADING_MARKER
+from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
+from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
 
 __all__ = ["MARKER_NAME", "Destination", "Uploader", "UploaderConfig"]
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from sidecar.train.checkpoint import LATEST_NAME, latest_valid, list_checkpoints, validate
-from sidecar.train.durable import fsync_path, replace_atomically, sync_tree, write_durably
-from sidecar.train.leftovers import clean_leftovers, writer_tag
-from sidecar.train.manifest import (
+from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
+from sidecar.checkpoint.durable import fsync_path, replace_atomically, sync_tree, write_durably
+from sidecar.checkpoint.leftovers import clean_leftovers, writer_tag
+from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointInfo,

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from sidecar.timeparse import parse_timestamp
-from sidecar.train.checkpoint import latest_valid
+from sidecar.checkpoint.folders import latest_valid
 
 __all__ = ["add_demo_command", "run_demo"]
 

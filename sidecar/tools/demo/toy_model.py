@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from sidecar.train.rng import capture_rng_state, restore_rng_state
+from sidecar.checkpoint.rng import capture_rng_state, restore_rng_state
 
 __all__ = ["PlainModel", "TorchModel", "build_model"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sidecar.tools.demo.toy_model import build_model
-from sidecar.train.checkpoint import atomic_checkpoint, latest_valid
+from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 

@@ -1,9 +1,9 @@
 """On-disk format of a checkpoint folder.
 
-Split out of :mod:`sidecar.train.checkpoint` so that module holds the behaviour (commit,
+Split out of :mod:`sidecar.checkpoint.folders` so that module holds the behaviour (commit,
 discovery, retention) and this one the format: what ``MANIFEST.json`` says, how a folder
-is made durable before it is described (with :mod:`sidecar.train.durable`), and how a
-folder is checked against its manifest. Standard library only, like every training-side module.
+is made durable before it is described (with :mod:`sidecar.checkpoint.durable`), and how a
+folder is checked against its manifest. Standard library only, like the training side.
 
 A manifest is written last, after every file it lists has been fsynced; a folder without
 one is never a checkpoint. That single rule is what makes a killed save harmless.
@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional, Union
 
 from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
-from sidecar.train.durable import sync_file, sync_tree
+from sidecar.checkpoint.durable import sync_file, sync_tree
 
 # What every public function takes for a folder: a str or any os.PathLike (pathlib.Path).
 PathLike = Union[str, "os.PathLike[str]"]

@@ -1,12 +1,12 @@
 """Who owns what a killed save left behind, and removing it once the owner is dead (private).
 
-Split out of :mod:`sidecar.train.checkpoint`, which re-exports :func:`clean_leftovers`. A save
+Split out of :mod:`sidecar.checkpoint.folders`, which re-exports :func:`clean_leftovers`. A save
 works in hidden folders named ``.<kind>-<name>.<writer>.<token>`` next to its target:
 ``.tmp-`` (being written), ``.old-`` (the folder a re-save moved aside), ``.del-`` (being
 pruned). The writer tag (:func:`writer_tag`) says who owns one: a hash of the host (node
 name + boot id), the pid, and the process start time (pids are reused, in containers
 within seconds, so a pid alone would keep a dead writer's folder forever). Standard
-library only, like every training-side module.
+library only, like the training side.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from sidecar.train.durable import fsync_path
-from sidecar.train.manifest import PathLike
+from sidecar.checkpoint.durable import fsync_path
+from sidecar.checkpoint.manifest import PathLike
 
 __all__ = [
     "FOREIGN_LEFTOVER_AFTER_SECONDS",
@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 # The checkpoint logger, not one of its own: the cleaning is part of what
-# ``sidecar.train.checkpoint`` does, and users filter and test its messages under that name.
-_log = logging.getLogger("sidecar.train.checkpoint")
+# ``sidecar.checkpoint.folders`` does, and users filter and test its messages under that name.
+_log = logging.getLogger("sidecar.checkpoint")
 
 _LEFTOVER = re.compile(
     r"^\.(?P<kind>tmp|old|del)-(?P<name>.+)\."

@@ -6,9 +6,9 @@ with ``MANIFEST.json`` written last; :func:`latest_valid` resumes from the newes
 whose files match its manifest; :func:`prune` keeps the newest few. How to use it, what a
 complete checkpoint holds, and what happens on disk and after a kill: docs/checkpoints.md.
 
-This module is the public API. Beside it: :mod:`sidecar.train.manifest` (the manifest format
-and the fsync helpers), :mod:`sidecar.train.leftovers` (who owns a killed save's leftovers,
-and cleaning them) and :mod:`sidecar.train.rng` (RNG state), whose public names are
+This module is the public API. Beside it: :mod:`sidecar.checkpoint.manifest` (the manifest format
+and the fsync helpers), :mod:`sidecar.checkpoint.leftovers` (who owns a killed save's leftovers,
+and cleaning them) and :mod:`sidecar.checkpoint.rng` (RNG state), whose public names are
 re-exported here.
 """
 
@@ -27,15 +27,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from sidecar.train.durable import fsync_path, replace_atomically, write_durably
-from sidecar.train.leftovers import (
+from sidecar.checkpoint.durable import fsync_path, replace_atomically, write_durably
+from sidecar.checkpoint.leftovers import (
     FOREIGN_LEFTOVER_AFTER_SECONDS,
     clean_leftovers,
     clean_quietly,
     remove_path,
     writer_tag,
 )
-from sidecar.train.manifest import (
+from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     PIN_MARKERS,
     CheckpointError,
@@ -48,7 +48,7 @@ from sidecar.train.manifest import (
     render_manifest,
     sync_checkpoint_files,
 )
-from sidecar.train.rng import capture_rng_state, restore_rng_state
+from sidecar.checkpoint.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
     "FOREIGN_LEFTOVER_AFTER_SECONDS",
@@ -69,7 +69,7 @@ __all__ = [
     "validate",
 ]
 
-_log = logging.getLogger("sidecar.train.checkpoint")
+_log = logging.getLogger("sidecar.checkpoint")
 
 LATEST_NAME = "latest"
 # Folders without a manifest that still look like checkpoints (and so are reported as

@@ -2,7 +2,7 @@
 
 Part of a complete checkpoint (see docs/checkpoints.md): the resumed run draws the same
 dropout masks, augmentations and samples as the run that was killed. Re-exported from
-:mod:`sidecar.train.checkpoint`, where most code imports it. NumPy and torch are never imported
+:mod:`sidecar.checkpoint.folders`, where most code imports it. NumPy and torch are never imported
 here at import time: :func:`capture_rng_state` reads them only once the program has, and
 :func:`restore_rng_state` imports them only when the saved state holds their part.
 """
@@ -18,7 +18,7 @@ __all__ = ["capture_rng_state", "restore_rng_state"]
 
 # The checkpoint logger, where these warnings were always reported: users filter and test
 # the messages of a resume under that name.
-_log = logging.getLogger("sidecar.train.checkpoint")
+_log = logging.getLogger("sidecar.checkpoint")
 
 
 def capture_rng_state() -> dict[str, Any]:
