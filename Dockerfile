@@ -7,7 +7,7 @@
 #     esi-sidecar:0.1.0
 #
 # With podman: `podman build --format docker ...` (the OCI format has no HEALTHCHECK).
-# tests/test_image.py builds both variants with podman and runs the entrypoint.
+# tests/e2e/test_image.py builds both variants with podman and runs the entrypoint.
 # See docs/deploy.md. The host service (install.sh + systemd) is the first choice; this
 # image is for hosts that run everything in containers, and for Kubernetes
 # (deploy/kubernetes/daemonset.yaml).
@@ -24,7 +24,7 @@ COPY sidecar ./sidecar
 COPY deploy ./deploy
 # install.sh --venv-only: `python3 -m venv /opt/esi-sidecar` then
 # `pip install '.[server]'` (with --upload: '.[server,upload]'), exactly as on a host and
-# in tests/test_deploy.py.
+# in tests/e2e/test_deploy.py.
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN ./install.sh --venv-only --prefix /opt/esi-sidecar ${UPLOAD:+--upload}
 

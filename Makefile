@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 SERVER := $(VENV)/.installed-server
 ALL    := $(VENV)/.installed-all
 VERL   := $(VENV)/.installed-verl
-# The verl releases the tests run against (tests/test_integration_verl_wheels.py).
+# The verl releases the tests run against (tests/integrations/test_integration_verl_wheels.py).
 VERL_VERSIONS := 0.9.1 0.8.0
 
 .PHONY: demo test lint bench clean
@@ -26,10 +26,10 @@ $(ALL): $(SERVER)
 	touch $(ALL)
 
 # The real verl wheels, without their GPU stack: ray and the light packages its trainer
-# modules import (tests/verl_wheels/requirements.txt), each verl release in a folder of its own.
-$(VERL): $(ALL) tests/verl_wheels/requirements.txt
+# modules import (tests/integrations/verl_wheels/requirements.txt), each verl release in a folder of its own.
+$(VERL): $(ALL) tests/integrations/verl_wheels/requirements.txt
 	$(BIN)/python -m pip install --quiet "ray==2.60.0"
-	$(BIN)/python -m pip install --quiet --no-deps -r tests/verl_wheels/requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -r tests/integrations/verl_wheels/requirements.txt
 	for version in $(VERL_VERSIONS); do \
 	  $(BIN)/python -m pip install --quiet --no-deps --upgrade \
 	    --target $(VENV)/verl/$$version "verl==$$version" || exit 1; \

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from sidecar.checkpoint.folders import atomic_checkpoint
 from sidecar.checkpoint.durable import fsync_path
+from sidecar.checkpoint.folders import atomic_checkpoint
 
 SIZES_MB = (200, 500)
 REPEATS = 5

@@ -76,10 +76,10 @@ def _empty(client: Any, bucket: str) -> None:
 
 def _measure(files_mb: tuple[int, ...], repeats: int) -> dict[str, Any]:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    from sidecar.checkpoint.folders import atomic_checkpoint
     from sidecar.host.upload.location import S3Location
     from sidecar.host.upload.storage import StorageConfig, make_client, transfer_config
     from sidecar.host.upload.uploader import Uploader, UploaderConfig
-    from sidecar.checkpoint.folders import atomic_checkpoint
 
     server, endpoint = _start_moto()
     try:

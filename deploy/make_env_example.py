@@ -4,7 +4,7 @@
     python deploy/make_env_example.py > deploy/esi-sidecar.env.example
     python deploy/make_env_example.py --markdown      # the table in docs/deploy.md
 
-tests/test_deploy.py fails when the committed example differs from this output.
+tests/e2e/test_deploy.py fails when the committed example differs from this output.
 """
 
 from __future__ import annotations

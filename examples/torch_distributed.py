@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from sidecar import SavePolicy
-from sidecar.integrations.distributed import distributed_guard
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.integrations.distributed import distributed_guard
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 

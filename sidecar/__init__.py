@@ -8,8 +8,8 @@ the daemon's dependencies (standard library only). Where things are: ``sidecar.t
 
 from __future__ import annotations
 
-from sidecar.models import Decision, Expiry
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.models import Decision, Expiry
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import env_deadline
 from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard, GuardStatus, Reducer

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-# Tests import the harness next to them as a plain module.
-sys.path.insert(0, str(Path(__file__).parent))
+# Tests import the harness and the other helpers in tests/support/ as plain modules.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
 def _loopback_only(connect: Any) -> Any:
@@ -56,7 +56,7 @@ def unused_port() -> int:
 @pytest.fixture(scope="module")
 def s3() -> Any:
     """A real S3-protocol server (moto) on loopback, one per test module."""
-    from test_upload_support import running_s3  # moto only for the tests that ask
+    from upload_support import running_s3  # moto only for the tests that ask
 
     with running_s3() as server:
         yield server

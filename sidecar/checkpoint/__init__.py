@@ -1,4 +1,4 @@
-"""The checkpoint format on disk, shared by the training side and the daemon (standard library only).
+"""The checkpoint format on disk, shared by both sides (standard library only).
 
 ``folders`` is the public API (atomic commit, the newest valid checkpoint, retention);
 ``manifest`` the format, ``leftovers`` a killed save's remains, ``durable`` the crash-safe

@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional, Union
 
-from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
 from sidecar.checkpoint.durable import sync_file, sync_tree
+from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
 
 # What every public function takes for a folder: a str or any os.PathLike (pathlib.Path).
 PathLike = Union[str, "os.PathLike[str]"]

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sidecar.checkpoint.durable import replace_atomically
 from sidecar.host.schedule import (
     ADAPTIVE_SOURCES,
     API_SOURCES,
@@ -37,7 +38,6 @@ from sidecar.host.schedule import (
 from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
 from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
-from sidecar.checkpoint.durable import replace_atomically
 
 __all__ = ["Poller", "load_state", "save_state"]
 

@@ -50,8 +50,8 @@ from sidecar.checkpoint.folders import (
     latest_valid,
     validate,
 )
-from sidecar.train.guard import CheckpointGuard
 from sidecar.checkpoint.manifest import PathLike
+from sidecar.train.guard import CheckpointGuard
 
 __all__ = ["DistributedCheckpoint", "PendingCheckpoint"]
 

@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
 from sidecar.checkpoint.durable import fsync_path, sync_tree
+from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 

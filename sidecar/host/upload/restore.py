@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sidecar.checkpoint.folders import CheckpointError, clean_leftovers, validate
+from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.storage import StorageConfig, describe_error, make_client
 from sidecar.host.upload.transfer import (
@@ -35,8 +37,6 @@ from sidecar.host.upload.volume import (
     commit_folder,
     point_latest,
 )
-from sidecar.checkpoint.folders import CheckpointError, clean_leftovers, validate
-from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 
 __all__ = ["find_complete", "restore"]
 

@@ -23,6 +23,13 @@ from boto3.s3.transfer import create_transfer_manager
 from botocore.exceptions import ClientError
 from s3transfer.subscribers import BaseSubscriber
 
+from sidecar.checkpoint.manifest import (
+    MANIFEST_NAME,
+    CheckpointInfo,
+    FileEntry,
+    Invalid,
+    read_manifest,
+)
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.storage import (
     StorageConfig,
@@ -32,7 +39,6 @@ from sidecar.host.upload.storage import (
     transfer_config,
 )
 from sidecar.host.upload.volume import Cancelled  # one class for both destinations
-from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, FileEntry, Invalid, read_manifest
 
 log = logging.getLogger("sidecar.host.upload.transfer")
 

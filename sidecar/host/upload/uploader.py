@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
+from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
 from sidecar.host.settings import (
     DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
     DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
@@ -44,8 +46,6 @@ from sidecar.host.upload.storage import StorageConfig, make_client
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
-from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
-from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
 
 __all__ = ["MARKER_NAME", "Destination", "Uploader", "UploaderConfig"]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
 from sidecar.checkpoint.durable import fsync_path, replace_atomically, sync_tree, write_durably
+from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
 from sidecar.checkpoint.leftovers import clean_leftovers, writer_tag
 from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,

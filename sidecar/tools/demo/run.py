@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from sidecar.timeparse import parse_timestamp
 from sidecar.checkpoint.folders import latest_valid
+from sidecar.timeparse import parse_timestamp
 
 __all__ = ["add_demo_command", "run_demo"]
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from sidecar.tools.demo.toy_model import build_model
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.tools.demo.toy_model import build_model
 from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon
-from test_upload_support import (
+from upload_support import (
     ACCESS_KEY,
     MIB,
     SECRET_KEY,
@@ -29,15 +29,15 @@ from test_upload_support import (
     wait_for,
 )
 
+from sidecar.checkpoint.folders import latest_valid
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.restore import restore
 from sidecar.host.upload.uploader import MARKER_NAME
 from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
-from sidecar.checkpoint.folders import latest_valid
 from sidecar.train.client import SidecarClient
 
 STATIC = {"sources": ("static",), "expires_at": "2030-01-01T00:00:00Z"}
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

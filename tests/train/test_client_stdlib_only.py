@@ -28,7 +28,7 @@ from daemon_harness import serve_daemon
 
 from sidecar.checkpoint.folders import latest_valid, list_checkpoints
 
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 # Never imported on the training side: the server's dependencies and the daemon's modules.
 FORBIDDEN_PACKAGES = (

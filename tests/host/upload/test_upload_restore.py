@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_upload_support import (
+from upload_support import (
     ACCESS_KEY,
     MIB,
     SECRET_KEY,
@@ -17,12 +17,12 @@ from test_upload_support import (
     make_checkpoint,
 )
 
+from sidecar.checkpoint.folders import LATEST_NAME, latest_valid
 from sidecar.cli import main
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.restore import restore
 from sidecar.host.upload.transfer import upload_checkpoint
 from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
-from sidecar.checkpoint.folders import LATEST_NAME, latest_valid
 
 
 @pytest.fixture(autouse=True)

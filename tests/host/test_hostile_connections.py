@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import fetch_json, serve_daemon, wait_for
-from test_deploy import UNIT, unit_directives
+from deploy_support import UNIT, unit_directives
 
 from sidecar.host.connections import (
     HEADER_TIMEOUT_SECONDS,

@@ -2,7 +2,7 @@
 
 The function on its own, in this process; against the real verl releases (signature,
 call sites, install() in both import orders, the V1 loop) see
-tests/test_integration_verl_wheels.py.
+tests/integrations/test_integration_verl_wheels.py.
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ def test_cached_between_refreshes() -> None:
 
 
 # ---------------------------------------------------------------------------- install()
-# install()/uninstall() against the real verl releases: tests/test_integration_verl_wheels.py
+# install()/uninstall() against the real verl releases:
+# tests/integrations/test_integration_verl_wheels.py
 
 
 def test_install_is_importable_by_dotted_path() -> None:

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
+from sidecar.checkpoint.folders import CheckpointError, latest_valid
 from sidecar.integrations.dcp import DistributedCheckpoint
 from sidecar.integrations.distributed import distributed_guard
-from sidecar.checkpoint.folders import CheckpointError, latest_valid
 from sidecar.train.client import SidecarClient
 from sidecar.train.policy import SavePolicy
 

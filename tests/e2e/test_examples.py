@@ -30,7 +30,7 @@ from sidecar.checkpoint.folders import list_checkpoints
 from sidecar.train.client import ENV_URL
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 SAVE, REDUNDANT, TRAIN = 1.0, 20.0, 5.0
 UNBOUNDED_STEPS = 1_000_000  # the first run ends only through the guard

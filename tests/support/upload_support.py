@@ -19,9 +19,9 @@ pytest.importorskip("boto3", reason="the uploader needs boto3 (the [server] extr
 from daemon_harness import wait_for
 from moto.server import ThreadedMotoServer
 
+from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.storage import StorageConfig, make_client
-from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
 
 __all__ = ["ACCESS_KEY", "MIB", "SECRET_KEY", "S3Server", "isolate_aws_env", "make_checkpoint",
            "running_s3", "wait_for"]

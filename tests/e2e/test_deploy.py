@@ -34,13 +34,13 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import fetch_json, wait_for
+from deploy_support import UNIT, unit_directives
 
 from sidecar.host.settings import OPTIONS, ConfigError, load_settings
 from sidecar.train.deadline import env_deadline
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL_SH = REPO / "install.sh"
-UNIT = REPO / "deploy" / "esi-sidecar.service"
 ENV_EXAMPLE = REPO / "deploy" / "esi-sidecar.env.example"
 DEPLOY_DOC = REPO / "docs" / "deploy.md"
 PREFIX = "/opt/esi-sidecar"
@@ -109,22 +109,6 @@ def parse_env_file(text: str) -> dict[str, str]:
             value = value[1:-1]
         environ[name.strip()] = value
     return environ
-
-
-def unit_directives(text: str) -> dict[str, list[str]]:
-    """'Section.Key' -> every value, in order (systemd allows repeated keys)."""
-    found: dict[str, list[str]] = {}
-    section = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("["):
-            section = line.strip("[]")
-            continue
-        key, _, value = line.partition("=")
-        found.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
-    return found
 
 
 def copy_checkout(destination: Path) -> Path:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.tools.emulator.azure import AzureImdsEmulator
 from sidecar.checkpoint.folders import atomic_checkpoint
+from sidecar.tools.emulator.azure import AzureImdsEmulator
 from sidecar.train.client import SidecarClient
 
 

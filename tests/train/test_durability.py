@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon
-from test_upload_support import (
+from upload_support import (
     ACCESS_KEY,
     MIB,
     SECRET_KEY,

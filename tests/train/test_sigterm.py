@@ -21,7 +21,7 @@ from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 from sidecar.train.sigterm import SigtermDeadline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def dead_url() -> str:

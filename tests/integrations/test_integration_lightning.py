@@ -417,7 +417,7 @@ POLICY_WORKER = textwrap.dedent(
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush(); sys.stderr.flush()
-    os._exit(0)  # see tests/distributed_worker.py: gloo may abort at interpreter exit
+    os._exit(0)  # see tests/support/distributed_worker.py: gloo may abort at interpreter exit
     """
 )
 

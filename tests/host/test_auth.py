@@ -19,7 +19,7 @@ import pytest
 
 from sidecar.host.auth import check_exposure, check_token, is_loopback
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 
@@ -57,8 +57,8 @@ def test_serve_beyond_loopback_without_a_token_stops_with_one_line() -> None:
 def _namespace_command() -> list[str]:
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         pytest.skip("needs root, unshare and ip (iproute2) for a network namespace")
-    return ["unshare", "--net", sys.executable, str(Path(__file__).with_name(
-        "auth_netns_check.py"))]
+    check = Path(__file__).resolve().parents[1] / "support" / "auth_netns_check.py"
+    return ["unshare", "--net", sys.executable, str(check)]
 
 
 def test_peers_beyond_loopback_need_the_token_and_loopback_stays_open() -> None:

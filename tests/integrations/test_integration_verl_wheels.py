@@ -28,7 +28,7 @@ from daemon_harness import serve_daemon, wait_for
 
 from sidecar.integrations.verl import should_save_ckpt_esi
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VERSIONS = ("0.9.1", "0.8.0")
 # Every module of each release that imports the function by name: the drop-in must be
 # bound there. A release that adds or moves one makes the call-site test fail.
@@ -211,7 +211,8 @@ def test_the_sagemaker_branch_differs_where_verl_saves_too_late_and_the_drop_in_
 
 def run_v1_loop(save_freq: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, str, float,
                                                                         float]:
-    """verl 0.9.1's own fit() and step(), workers stubbed (tests/verl_wheels/v1_loop.py): steps
+    """verl 0.9.1's own fit() and step(), workers stubbed
+    (tests/integrations/verl_wheels/v1_loop.py): steps
     of 0.3 s, saves of 0.2 s (``trainer.esi_save_seconds`` 0.2), margin 2 s
     (``trainer.esi_redundant_time``), an emulated ESI release 8 s after training starts.
     Returns (what the loop did, its log, the release time, when it ended)."""
@@ -224,8 +225,8 @@ def run_v1_loop(save_freq: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, 
         with serve_daemon(api_endpoint=emu.url, metadata_url=emu.url) as daemon:
             wait_for(lambda: daemon.store.health().ok)
             process = subprocess.Popen(
-                [sys.executable, str(REPO / "tests/verl_wheels/v1_loop.py"), "200", "0.3", "0.2",
-                 str(save_freq), "install-first"], stdin=subprocess.PIPE,
+                [sys.executable, str(REPO / "tests/integrations/verl_wheels/v1_loop.py"), "200",
+                 "0.3", "0.2", str(save_freq), "install-first"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                 env={**os.environ, "PYTHONPATH": str(wheel("0.9.1")),
                      "ESI_SIDECAR_URL": daemon.url})

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.host.upload.volume import EXIT_NOTHING, VolumeDestination, restore_from_volume
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.host.upload.volume import EXIT_NOTHING, VolumeDestination, restore_from_volume
 from sidecar.train.client import SidecarClient
 
 MIB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_checkpoint(root: Path, step: int, size: int) -> None:

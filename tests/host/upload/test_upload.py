@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 from botocore.exceptions import ClientError
-from test_upload_support import (
+from upload_support import (
     MIB,
     S3Server,
     isolate_aws_env,
@@ -21,10 +21,10 @@ from test_upload_support import (
     wait_for,
 )
 
+from sidecar.checkpoint.folders import list_checkpoints
 from sidecar.host.upload import transfer
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
-from sidecar.checkpoint.folders import list_checkpoints
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """Drive verl's real V1 training loop (``PPOTrainer.fit`` and ``PPOTrainer.step`` of the
 installed wheel) with stub workers, as a program, and print what happened as JSON.
 
-    python tests/verl_wheels/v1_loop.py STEPS STEP_SECONDS SAVE_SECONDS SAVE_FREQ [install-first]
+    python tests/integrations/verl_wheels/v1_loop.py \
+        STEPS STEP_SECONDS SAVE_SECONDS SAVE_FREQ [install-first]
 
 Run with the verl wheel on ``PYTHONPATH`` and ``ESI_SIDECAR_URL`` at a daemon; it prints
 ``READY`` once verl is imported and starts training at the next line on stdin. Only what

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "esi-sidecar.rules.yml"
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "esi-sidecar.rules.test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "esi-sidecar.json"

@@ -59,7 +59,7 @@ def emulator() -> Iterator[tuple[Emulator, list[Mapping[str, str]]]]:
 def test_the_daemon_at_debug_logs_no_credential_signature_or_authorization(
     emulator: tuple[Emulator, list[Mapping[str, str]]], s3: Any, tmp_path: Path
 ) -> None:
-    from test_upload_support import make_checkpoint
+    from upload_support import make_checkpoint
 
     emu, seen = emulator
     location = s3.bucket("scrub-at-debug")

@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 import pytest
 
-from sidecar.timeparse import parse_timestamp
-from sidecar.train import checkpoint
+from sidecar.checkpoint import folders as checkpoint
 from sidecar.checkpoint.folders import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -43,8 +42,9 @@ from sidecar.checkpoint.folders import (
     validate,
 )
 from sidecar.checkpoint.leftovers import writer_tag
+from sidecar.timeparse import parse_timestamp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def save(root: Path, step: int, content: bytes = b"", **options: Any) -> CheckpointInfo:
@@ -433,7 +433,7 @@ def test_a_folder_moved_aside_by_a_killed_resave_is_restored(tmp_path: Path) -> 
 
 WRITER = r"""
 import json, os, sys
-from sidecar.train import checkpoint
+from sidecar.checkpoint import folders as checkpoint
 
 args = json.loads(sys.argv[1])
 

@@ -3,7 +3,7 @@ run as the image's user against the emulator.
 
 podman builds the image with ``--isolation=chroot`` (its runtime cannot create cgroups on
 these machines) on a Debian base with Python made by debootstrap from Debian's archive,
-so no registry is needed; the base is cached on the machine (tests/image_support.py).
+so no registry is needed; the base is cached on the machine (tests/support/image_support.py).
 ``podman run`` cannot start a container here either (crun cannot set rlimits or
 cgroups), so the image's filesystem is exported (``podman create`` + ``podman export``)
 and its ENTRYPOINT, ENV, USER and HEALTHCHECK are taken from the image's own metadata and
@@ -15,7 +15,7 @@ Both variants are built: the default (``[server]``) and ``--build-arg UPLOAD=1``
 (``[server,upload]``, whose uploader copies a checkpoint to a folder here).
 
 About 1 min with the base cached, 2 min without; run alone:
-``.venv/bin/python -m pytest tests/test_image.py``. Needs root, podman, debootstrap.
+``.venv/bin/python -m pytest tests/e2e/test_image.py``. Needs root, podman, debootstrap.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from image_support import (
     run_bounded,
 )
 
-from sidecar.tools.emulator import Emulator
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.tools.emulator import Emulator
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PODMAN = shutil.which("podman")
 DEBOOTSTRAP = shutil.which("debootstrap") or shutil.which("debootstrap", path="/usr/sbin")

@@ -32,7 +32,7 @@ from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ACCESS_KEY = "AKLTstatuspage000000"
 SECRET_KEY = "c3RhdHVzLXBhZ2Utc2VjcmV0"
 RELEASE_IN = 1800.0

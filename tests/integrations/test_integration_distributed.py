@@ -1,6 +1,6 @@
 """torch.distributed: every rank saves at the same step, once, and nobody hangs.
 
-Real gloo process groups of 2 and 4 processes (tests/distributed_worker.py), each rank
+Real gloo process groups of 2 and 4 processes (tests/support/distributed_worker.py), each rank
 asking its OWN real daemon on loopback: rank 0's daemon knows a release 100 simulated
 seconds ahead, rank 1's knows none, the others' a release far away. Each rank reports a
 different step duration (rank 1 the slowest). With the TorchReducer, the MIN deadline and
@@ -39,7 +39,7 @@ from sidecar.integrations.distributed import (
 
 pytestmark = pytest.mark.frameworks
 
-WORKER = Path(__file__).with_name("distributed_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "support" / "distributed_worker.py"
 STEP_SECONDS = [10.0, 20.0, 5.0, 15.0]  # per rank; rank 1 is the slowest
 RELEASE_AFTER = 100  # simulated seconds after base, on rank 0's daemon only
 EXPECTED_SAVE_STEP = 7

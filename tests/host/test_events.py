@@ -535,7 +535,7 @@ def test_a_bad_events_section_is_dropped_and_the_deadline_kept(
 
 
 def test_post_works_through_the_token_wrapper_and_head_answers() -> None:
-    # Loopback needs no token even when one is set (beyond loopback: tests/test_auth.py).
+    # Loopback needs no token even when one is set (beyond loopback: tests/host/test_auth.py).
     with static_daemon(token=TOKEN) as daemon:
         assert post(daemon.url, event(step=1))[0] == 202
         assert post(daemon.url, event(step=2),
