@@ -32,7 +32,7 @@ import json, logging, os, sys, time
 logging.disable(logging.WARNING)  # "daemon unreachable" from every rank: expected here
 from datetime import timedelta
 import torch.distributed as dist
-import sidecar.train.guard as guard_module
+import sidecar.train.vote as vote_module
 from sidecar.integrations.distributed import TorchReducer
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
@@ -45,7 +45,7 @@ if mode != "single":
                             timeout=timedelta(seconds=120))
     reducer = TorchReducer()
 if mode == "every-step":
-    guard_module.MAX_SKIP_SECONDS = 0.0
+    vote_module.MAX_SKIP_SECONDS = 0.0
 env = {"MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP": str(time.time() + 10 ** 6)}
 guard = CheckpointGuard(SidecarClient(config["url"]), environ=env, reducer=reducer,
                         wait_for_release=False)

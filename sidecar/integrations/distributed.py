@@ -6,10 +6,9 @@ steps, so without agreement one rank may decide to save a step before the others
 then waits inside the save's collective while the others wait inside the next step's:
 the job hangs until the process-group timeout, right before the machine is released.
 
-:class:`TorchReducer` implements :class:`sidecar.train.guard.Reducer` with ONE ``all_reduce``
-per decision (float64, seven numbers: MIN of the remaining time, MAX of step, save, cover
-and upload, MIN of the steps since the final save, MAX of the typical step; the MAX ones
-negated so a single MIN serves all seven).
+:class:`TorchReducer` implements :class:`sidecar.train.vote.Reducer` with ONE ``all_reduce``
+per decision (float64, the vote's numbers: each slot MIN or MAX as ``sidecar.train.vote.Vote``
+declares it, the MAX ones negated so a single MIN serves them all).
 
     from sidecar.integrations.distributed import distributed_guard
     guard = distributed_guard()   # a TorchReducer when torch.distributed is initialised
@@ -22,11 +21,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from sidecar.train.guard import CheckpointGuard, Reducer
 from sidecar.train.policy import SavePolicy
+from sidecar.train.vote import MIN, Op
 
 _log = logging.getLogger("sidecar.integrations.distributed")
 
@@ -41,7 +41,7 @@ class TorchReducer:
     """The :class:`~sidecar.train.guard.Reducer` for ``torch.distributed``.
 
     - ``group``: the process group whose ranks must agree (default: the world).
-    - ``device``: where the seven numbers travel. Default: chosen from the group's backend
+    - ``device``: where the vote's numbers travel. Default: chosen from the group's backend
       on each call: CPU for gloo/mpi/ucc (or a mixed "cpu:gloo,cuda:nccl" backend), the
       current CUDA device for nccl (NCCL only reduces device tensors), the current
       accelerator for other device backends.
@@ -72,32 +72,18 @@ class TorchReducer:
             return torch.device(kind.type, accelerator.current_device_index())
         return torch.device("cpu")
 
-    def __call__(
-        self,
-        remaining_seconds: float,
-        step_seconds: float,
-        save_seconds: float,
-        covered_seconds: float,
-        upload_seconds: float,
-        steps_after_final: float,
-        typical_step_seconds: float,
-    ) -> tuple[float, float, float, float, float, float, float]:
+    def __call__(self, values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
         import torch
         import torch.distributed as dist
 
-        # Negating the MAX-reduced values lets one MIN reduction do all seven. The
-        # sentinels survive: -(-1) stays the largest "unknown" step/save/upload, and
-        # -(-inf) = +inf under MIN loses to any rank that made a save.
-        values = torch.tensor(
-            [remaining_seconds, -step_seconds, -save_seconds, -covered_seconds,
-             -upload_seconds, steps_after_final, -typical_step_seconds],
-            dtype=torch.float64,
-            device=self._device(),
-        )
-        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=self.group)
-        remaining, step, save, covered, upload, after, typical = (
-            float(x) for x in values.tolist())
-        return remaining, -step, -save, -covered, -upload, after, -typical
+        # One MIN reduction serves both kinds: a MAX slot travels negated. The sentinels
+        # survive: -(-1) stays the largest "unknown" step/save/upload, and -(-inf) = +inf
+        # under MIN loses to any rank that made a save.
+        signs = [1.0 if op == MIN else -1.0 for op in ops]
+        tensor = torch.tensor([sign * value for sign, value in zip(signs, values)],
+                              dtype=torch.float64, device=self._device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return [sign * float(value) for sign, value in zip(signs, tensor.tolist())]
 
     def __repr__(self) -> str:
         return f"TorchReducer(group={self.group!r}, device={self.device!r})"
@@ -189,7 +175,7 @@ def callback_guard(
         return distributed_guard(policy=policy, **guard_options)
     world_size = _world_size()
     # CheckpointGuard keeps its reducer private; a guard of another kind is trusted.
-    if world_size > 1 and isinstance(guard, CheckpointGuard) and guard._reducer is None:
+    if world_size > 1 and isinstance(guard, CheckpointGuard) and guard._vote.reducer is None:
         _log.warning(
             "the checkpoint guard passed to the callback has no reducer, but "
             "torch.distributed runs %d ranks: ranks may decide to save at different steps "

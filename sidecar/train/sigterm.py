@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from sidecar.train.policy import check_seconds
 
-__all__ = ["SigtermDeadline"]
+__all__ = ["SigtermDeadline", "with_sigterm"]
 
 logger = logging.getLogger("sidecar.train.guard")
 
@@ -32,6 +32,7 @@ class SigtermDeadline:
         #: process before the save, which is what this is here to prevent).
         self.previous_handler: Any = None
         self.installed = False
+        self._said = False
 
     def install(self) -> bool:
         """Handle SIGTERM from now on. Python only lets the main thread do that: from
@@ -59,3 +60,26 @@ class SigtermDeadline:
     def deadline(self) -> Optional[float]:
         received = self.received_at
         return None if received is None else received + self.grace_seconds
+
+    def earlier(
+        self, deadline: Optional[float], source: Optional[str]
+    ) -> tuple[Optional[float], Optional[str]]:
+        """The earlier of ``deadline`` and the SIGTERM's (source ``"sigterm"``), said once
+        when it came."""
+        term = self.deadline()
+        if term is None:
+            return deadline, source
+        if not self._said:
+            self._said = True
+            logger.warning("SIGTERM received: the machine goes in %.0f s; saving at the next "
+                           "decision", max(0.0, term - self._clock()))
+        if deadline is None or term < deadline:
+            return term, "sigterm"
+        return deadline, source
+
+
+def with_sigterm(
+    sigterm: Optional[SigtermDeadline], deadline: Optional[float], source: Optional[str]
+) -> tuple[Optional[float], Optional[str]]:
+    """``deadline`` and its source, or the SIGTERM's when one is watched and came earlier."""
+    return (deadline, source) if sigterm is None else sigterm.earlier(deadline, source)

@@ -36,6 +36,7 @@ from sidecar.integrations.distributed import (
     distributed_guard,
     reducer_if_distributed,
 )
+from sidecar.train.vote import Vote
 
 pytestmark = pytest.mark.frameworks
 
@@ -229,7 +230,7 @@ def test_without_the_reducer_the_collective_save_fails(tmp_path: Path) -> None:
 def test_reducer_in_one_process_group(tmp_path: Path) -> None:
     """In-process, world size 1: the helper picks the reducer only once the group exists."""
     assert reducer_if_distributed() is None
-    assert distributed_guard(client=None)._reducer is None
+    assert distributed_guard(client=None)._vote.reducer is None
     dist.init_process_group(
         "gloo",
         init_method=(tmp_path / "init-single").as_uri(),
@@ -241,11 +242,11 @@ def test_reducer_in_one_process_group(tmp_path: Path) -> None:
         reducer = reducer_if_distributed()
         assert isinstance(reducer, TorchReducer)
         unknown = (float("inf"), -1.0, -1.0, float("-inf"), -1.0, float("inf"), -1.0)
-        assert reducer(*unknown) == unknown
+        assert tuple(reducer(list(unknown), Vote.ops())) == unknown
         large = 4.0e9 + 0.25  # float64: a Unix-scale number survives exactly
         known = (large, 3.5, 61.0, -2.0, 12.5, -1.0, 3.0)
-        assert reducer(*known) == known
-        assert isinstance(distributed_guard()._reducer, TorchReducer)
+        assert tuple(reducer(list(known), Vote.ops())) == known
+        assert isinstance(distributed_guard()._vote.reducer, TorchReducer)
     finally:
         dist.destroy_process_group()
     assert reducer_if_distributed() is None

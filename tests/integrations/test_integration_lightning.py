@@ -411,7 +411,7 @@ POLICY_WORKER = textwrap.dedent(
         json.dump({
             "saves": callback.saves, "stopped": callback.stopped,
             "global_step": trainer.global_step, "path": callback.last_checkpoint_path,
-            "reducer": isinstance(callback.guard._reducer, TorchReducer),
+            "reducer": isinstance(callback.guard._vote.reducer, TorchReducer),
             "redundant": callback.guard.policy.redundant_seconds,
         }, handle)
     dist.barrier()

@@ -37,6 +37,7 @@ from sidecar.integrations.distributed import (
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
+from sidecar.train.vote import Vote
 
 
 def main(config: dict[str, Any]) -> None:
@@ -75,7 +76,7 @@ def main(config: dict[str, Any]) -> None:
 
     # The reducer alone, with rank-specific inputs holding every "unknown" sentinel.
     last = world_size - 1
-    probe = TorchReducer()(
+    probe = TorchReducer()([
         float("inf") if rank == 1 else 100.0 + rank,
         -1.0 if rank == 0 else float(rank),
         -1.0,
@@ -83,7 +84,7 @@ def main(config: dict[str, Any]) -> None:
         30.0 if rank == 0 else -1.0,  # one node's uploader knows its upload time
         float("inf") if rank == 0 else float(rank),  # steps since the final save: MIN
         -1.0 if rank == 0 else 2.0 * rank,  # typical step: MAX
-    )
+    ], Vote.ops())
 
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 1))

@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Callable, Optional
 
@@ -35,6 +35,7 @@ from sidecar.train.guard import (
     Reducer,
 )
 from sidecar.train.policy import SavePolicy
+from sidecar.train.vote import MIN, Op
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
@@ -1003,24 +1004,14 @@ class ThreadAllReduce:
         self.calls = [0] * world_size
 
     def for_rank(self, rank: int) -> Reducer:
-        def reduce(
-            remaining: float, step: float, save: float, covered: float, upload: float,
-            after_final: float, typical: float,
-        ) -> tuple[float, float, float, float, float, float, float]:
+        def reduce(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
             self.calls[rank] += 1
-            self.slots[rank] = (remaining, step, save, covered, upload, after_final, typical)
+            self.slots[rank] = tuple(values)
             self.barrier.wait()
-            values = list(self.slots)
+            columns = list(zip(*self.slots))
             self.barrier.wait()  # nobody overwrites a slot before everyone has read
-            return (
-                min(v[0] for v in values),
-                max(v[1] for v in values),
-                max(v[2] for v in values),
-                max(v[3] for v in values),
-                max(v[4] for v in values),
-                min(v[5] for v in values),
-                max(v[6] for v in values),
-            )
+            return [min(column) if op == MIN else max(column)
+                    for op, column in zip(ops, columns)]
 
         return reduce
 
@@ -1171,12 +1162,9 @@ def test_top_up_save_is_logged_and_shown_in_the_status(caplog: pytest.LogCapture
 def test_reducer_sentinels_for_unknown_values() -> None:
     seen: list[tuple[float, ...]] = []
 
-    def record(
-        remaining: float, step: float, save: float, covered: float, upload: float,
-        after_final: float, typical: float,
-    ) -> tuple[float, float, float, float, float, float, float]:
-        seen.append((remaining, step, save, covered, upload, after_final, typical))
-        return remaining, step, save, covered, upload, after_final, typical
+    def record(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
+        seen.append(tuple(values))
+        return list(values)
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
@@ -1190,12 +1178,10 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
-    def peer_knows(
-        remaining: float, step: float, save: float, covered: float, upload: float,
-        after_final: float, typical: float,
-    ) -> tuple[float, float, float, float, float, float, float]:
-        return (min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
-                upload, after_final, max(typical, 20.0))
+    def peer_knows(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
+        remaining, step, save, covered, upload, after_final, typical = values
+        return [min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
+                upload, after_final, max(typical, 20.0)]
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True
