@@ -120,14 +120,21 @@ class StateFile:
             return None
         except OSError as exc:
             raise Damaged(f"cannot be read: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "rb") as handle:
-            try:
-                info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode):
-                    raise Damaged("not a regular file")
-                raw = handle.read(MAX_BYTES + 1)
-            except OSError as exc:
-                raise Damaged(f"cannot be read: {exc.strerror or exc}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Damaged("not a regular file")
+            chunks, size = [], 0
+            while size <= MAX_BYTES:
+                chunk = os.read(fd, MAX_BYTES + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except OSError as exc:
+            raise Damaged(f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        raw = b"".join(chunks)
         if len(raw) > MAX_BYTES:
             raise Damaged(f"larger than {MAX_BYTES} bytes")
         return raw
