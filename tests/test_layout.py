@@ -214,6 +214,61 @@ def test_only_the_wiring_picks_sources_and_builds_the_uploader() -> None:
     assert broken == [] and uploader == []
 
 
+# The daemon's state file has one owner (issue 21, item 3): the settings define where it is,
+# the wiring hands that path to StateFile, and sidecar.host.statefile alone reads and
+# writes it. The uploader writes checkpoints, not the state file, with the same helpers.
+STATE_FILE_OWNER = "sidecar.host.statefile"
+STATE_FILE_PATH_READERS = {"sidecar.host.settings", "sidecar.host.daemon", STATE_FILE_OWNER}
+
+
+def _names(path: Path) -> list[tuple[str, int]]:
+    """Every identifier of a module: names, attributes, parameters, keywords."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        name = (node.id if isinstance(node, ast.Name) else node.attr
+                if isinstance(node, ast.Attribute) else node.arg
+                if isinstance(node, (ast.arg, ast.keyword)) else None)
+        if name:
+            found.append((name, node.lineno))  # type: ignore[attr-defined]
+    return found
+
+
+def _state_file_breaks(modules: dict[str, Path]) -> list[str]:
+    writers = [
+        _where(found)
+        for module, path in modules.items() for found in _imports(module, path)
+        if _in(module, "sidecar.host") and not _in(module, "sidecar.host.upload")
+        and found.target == "sidecar.checkpoint.durable" and module != STATE_FILE_OWNER
+    ]
+    path_readers = [
+        f"{module}:{line} names {name}"
+        for module, path in modules.items()
+        if _in(module, "sidecar.host", "sidecar.cli", "sidecar.tools")
+        and module not in STATE_FILE_PATH_READERS
+        for name, line in _names(path) if "state_file" in name
+    ]
+    return writers + path_readers
+
+
+def test_only_the_state_file_module_opens_the_state_file() -> None:
+    assert _state_file_breaks(MODULES) == []
+
+
+def test_the_state_file_rule_sees_a_poller_that_writes_it(tmp_path: Path) -> None:
+    # The poller as it was before the state file had one owner.
+    poller = tmp_path / "poller.py"
+    poller.write_text(
+        "from sidecar.checkpoint.durable import replace_atomically\n"
+        "class Poller:\n"
+        "    def __init__(self, state_file=None):\n"
+        "        self._state_file = state_file\n"
+        "    def save(self):\n"
+        "        replace_atomically(self._state_file, b'{}', '.tmp')\n")
+    breaks = _state_file_breaks({"sidecar.host.poller": poller})
+    assert breaks[0] == "sidecar.host.poller:1 imports sidecar.checkpoint.durable"
+    assert "sidecar.host.poller:3 names state_file" in breaks
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     broken = [
         f"{_where(i)} ({name})"

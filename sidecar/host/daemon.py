@@ -31,7 +31,7 @@ from sidecar.host.connections import (
     connection_limit,
     raise_open_file_limit,
 )
-from sidecar.host.events import EventHistory, persist_events
+from sidecar.host.events import EventHistory
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
@@ -40,7 +40,9 @@ from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, CANDIDATES, PROBE_TIMEOUT_SECONDS, ProbedSource
 from sidecar.host.sources.base import Source, where
 from sidecar.host.sources.registry import create_source, probe_source
+from sidecar.host.statefile import StateFile
 from sidecar.host.store import Store
+from sidecar.host.store_section import StoreSection
 
 __all__ = ["Daemon", "bind_sockets", "build_daemon", "build_sources", "run"]
 
@@ -64,6 +66,7 @@ class Daemon:
     uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
     approver: Optional[Approver] = None  # --azure-approve
     events: Optional[EventHistory] = None  # what the jobs said (GET /v1/events)
+    state: Optional[StateFile] = None  # --state-file: what survives a restart
 
 
 def build_sources(settings: Settings) -> list[Source]:
@@ -84,25 +87,28 @@ def _probed(name: str, settings: Settings) -> ProbedSource:
 def build_daemon(settings: Settings) -> Daemon:
     sources = build_sources(settings)
     store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
-    events = EventHistory()  # kept in the state file by the poller's writes
+    # One state file, its sections loaded together: a deadline that changed is written at
+    # once, the job events within 2 s (sidecar.host.statefile).
+    state = StateFile(settings.state_file)
+    events = EventHistory(on_change=state.changed)
+    state.add(StoreSection(store), events)
     rate = settings.effective_max_api_rate
     poller = Poller(
-        sources, store, interval=settings.poll_interval, state_file=settings.state_file,
+        sources, store, interval=settings.poll_interval, on_change=state.write,
         adaptive=settings.poll_schedule == "adaptive",
-        budget=None if rate is None else ApiBudget(rate), extra_state=events.state,
+        budget=None if rate is None else ApiBudget(rate),
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.state_file is not None:
-            events.load(settings.state_file)  # before the poller sets a bad file aside
+        state.load()
+        state.start()
         poller.start()
         if uploader is not None:
             uploader.start()
-        tasks = [asyncio.create_task(_announce_ready(poller, store)),
-                 asyncio.create_task(persist_events(events, poller.save))]
+        tasks = [asyncio.create_task(_announce_ready(poller, store))]
         if approver is not None:
             tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
@@ -123,6 +129,7 @@ def build_daemon(settings: Settings) -> Daemon:
             if uploader is not None:
                 uploader.stop(timeout=left())  # an upload in progress restarts cleanly
             poller.stop(timeout=left())
+            state.stop()  # the last write, after the last poll
             log.info("stopped; state flushed")
 
     app = create_app(store, lifespan=lifespan,
@@ -130,7 +137,7 @@ def build_daemon(settings: Settings) -> Daemon:
                      token=settings.token, events=events)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
-    return Daemon(settings, store, poller, app, connections, uploader, approver, events)
+    return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)
 
 
 def _build_uploader(settings: Settings, store: Store) -> Any:

@@ -2,10 +2,10 @@
 
 The guard (``sidecar.train.guard``) posts small events (step estimates, saves started and
 finished, durable checkpoints, the wait for the release, the stop); this module validates
-them, keeps a bounded history (in memory, and in the state file through the poller, so a
-restart keeps it), serves it newest first with a summary, and exports the summary to
-``/metrics``. Events are the job's word, shown, never acted on: nothing here reaches the
-store, so no event can move the deadline (issue 14, item 1).
+them, keeps a bounded history (in memory, and as the ``events`` section of the state file,
+``sidecar.host.statefile``, so a restart keeps it), serves it newest first with a summary,
+and exports the summary to ``/metrics``. Events are the job's word, shown, never acted on:
+nothing here reaches the store, so no event can move the deadline (issue 14, item 1).
 
 Bounded everywhere: a request body of at most 64 KiB and 100 events, strings of at most a
 few hundred characters (longer is a 422, not a truncation), a token bucket per daemon
@@ -15,14 +15,13 @@ at most 64 (job, rank) pairs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import reprlib
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, Optional
 
 from fastapi import FastAPI, Query, Request
@@ -42,10 +41,7 @@ from pydantic import (
 
 from sidecar.host.query import digits
 
-__all__ = [
-    "EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes",
-    "persist_events",
-]
+__all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes"]
 
 log = logging.getLogger("sidecar.host.events")
 
@@ -61,7 +57,6 @@ MAX_LIMIT = HISTORY_LENGTH
 RATE_PER_SECOND = 20.0
 BURST_EVENTS = 200.0
 MAX_TRACKED_JOBS = 64  # (job, rank) pairs whose last step is remembered
-PERSIST_INTERVAL_SECONDS = 2.0  # a flood of events costs at most one state write per 2 s
 EVENTS_STATE_KEY = "events"
 STATE_VERSION = 1
 # A time on the daemon's clock: between 2000 and the year 5138, and an event's own time
@@ -181,9 +176,16 @@ class _TokenBucket:
 class EventHistory:
     """The node's bounded history of job events, its summary and its counters.
 
-    Thread-safe: the API adds and reads in the event loop, the poller's thread takes
-    :meth:`state` for the state file, a scrape calls :meth:`collect`.
+    Thread-safe: the API adds and reads in the event loop, the state file's writer takes
+    :meth:`dump`, a scrape calls :meth:`collect`. ``on_change`` is told when events were
+    kept (from the event loop: it must be cheap; the daemon's is ``StateFile.changed``).
     """
+
+    # The state file's section (sidecar.host.statefile.Section): optional, so a bad one
+    # is ignored and the deadline beside it still restored.
+    name = EVENTS_STATE_KEY
+    what = "the job events"
+    required = False
 
     def __init__(
         self,
@@ -193,9 +195,11 @@ class EventHistory:
         burst: float = BURST_EVENTS,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        on_change: Optional[Callable[[], None]] = None,
     ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
+        self._on_change = on_change
         self._events: deque[dict[str, Any]] = deque(maxlen=length)
         self._summary = Summary()
         self._last_steps: OrderedDict[tuple[str, Optional[int]], int] = OrderedDict()
@@ -204,8 +208,6 @@ class EventHistory:
         self._dropped = {"rate": 0}
         self._rejected = {"invalid": 0, "too-large": 0}
         self._flagged = {"step-backwards": 0}
-        #: Changes since start: the persisting task writes the state file when it moved.
-        self.generation = 0
 
     # ------------------------------------------------------------------ writers
 
@@ -231,8 +233,8 @@ class EventHistory:
             self._received += accepted
             self._dropped["rate"] += dropped
             self._flagged["step-backwards"] += flagged
-            if accepted:
-                self.generation += 1
+        if accepted and self._on_change is not None:
+            self._on_change()
         return {"accepted": accepted, "dropped": dropped, "flagged": flagged}
 
     def reject(self, reason: str) -> None:
@@ -333,20 +335,19 @@ class EventHistory:
 
     # ------------------------------------------------------------------ state file
 
-    def state(self) -> dict[str, Any]:
-        """The state file's section: ``{"events": {...}}`` (``sidecar.host.poller``)."""
+    def dump(self) -> dict[str, Any]:
+        """The state file's ``events`` section: the history and the summary."""
         with self._lock:
-            section = {"version": STATE_VERSION, "history": list(self._events),
-                       "summary": self._summary.model_dump(exclude_none=True)}
-        return {EVENTS_STATE_KEY: section}
+            return {"version": STATE_VERSION, "history": list(self._events),
+                    "summary": self._summary.model_dump(exclude_none=True)}
 
-    def restore(self, section: Any) -> None:
-        """Load a section written by :meth:`state`; ValueError naming the first bad field.
+    def load(self, section: Any) -> None:
+        """Load a section written by :meth:`dump`; ValueError naming the first bad field.
         All or nothing, and only into an empty history."""
         if not isinstance(section, dict):
             raise ValueError("not an object")
         if section.get("version") != STATE_VERSION:
-            raise ValueError(f"unknown version {section.get('version')!r}")
+            raise ValueError(f"unknown version {reprlib.repr(section.get('version'))}")
         unknown = set(section) - {"version", "history", "summary"}
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
@@ -366,24 +367,6 @@ class EventHistory:
             while len(self._last_steps) > MAX_TRACKED_JOBS:
                 self._last_steps.popitem(last=False)
             self._summary = summary
-
-    def load(self, path: Path) -> None:
-        """Restore the events section of the state file at ``path``. A missing or unreadable
-        file, or one that is not a JSON object, is the poller's to report; a bad events
-        section is ignored with one log line and never touches the deadline."""
-        try:
-            data = json.loads(path.read_bytes())
-        except (OSError, ValueError):
-            return
-        if not isinstance(data, dict) or EVENTS_STATE_KEY not in data:
-            return
-        try:
-            self.restore(data[EVENTS_STATE_KEY])
-        except ValueError as exc:
-            log.warning("ignoring the job events in state file %s (the deadline is kept): %s",
-                        path, " ".join(str(exc).split())[:300])
-            return
-        log.info("restored %d job events from %s", len(self._events), path)
 
 
 def _job_remaining(summary: Summary, now: float) -> Optional[float]:
@@ -481,21 +464,3 @@ def add_event_routes(app: FastAPI, history: EventHistory,
     ) -> Response:
         return Response(json.dumps(history.body(limit, clock()), separators=(",", ":")),
                         media_type="application/json")
-
-
-
-async def persist_events(history: EventHistory, save: Callable[[], None],
-                         interval: float = PERSIST_INTERVAL_SECONDS) -> None:
-    """Write the state file (``save``: the poller's, which carries the events section)
-    when the history changed, at most once per ``interval``; the poller's own writes and
-    its final flush at shutdown carry it too."""
-    written = history.generation
-    while True:
-        await asyncio.sleep(interval)
-        if history.generation != written:
-            written = history.generation
-            try:
-                await asyncio.to_thread(save)
-            except Exception as exc:  # a bug here must not stop the daemon
-                log.error("writing the job events failed: %s", type(exc).__name__)
-

@@ -5,26 +5,18 @@ poll interval +-10 %. Failure: retry after 1 s, doubling, capped at the poll int
 each with +-20 % jitter so a fleet of hosts does not retry in step; throttling backs off
 the same way but starts higher. Shutdown is a flag (an Event) that every wait checks.
 
-The last good state is written atomically (temp file, fsync, rename, fsync the folder)
-whenever it changes and at shutdown, and loaded at start-up, where the store serves it as
-stale until a poll confirms it.
+A deadline that changed is told to ``on_change`` (the daemon's: the state file's write,
+``sidecar.host.statefile``); the poller itself never reads or writes a file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import math
-import os
 import random
-import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from sidecar.checkpoint.durable import replace_atomically
 from sidecar.host.schedule import (
@@ -39,13 +31,12 @@ from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceE
 from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["Poller", "load_state", "save_state"]
+__all__ = ["Poller", "next_delay"]
 
 log = logging.getLogger("sidecar.host.poller")
 
 FIRST_RETRY_SECONDS = 1.0
 FIRST_THROTTLED_RETRY_SECONDS = 4.0
-STATE_VERSION = 1
 
 
 def next_delay(
@@ -74,21 +65,18 @@ class Poller:
         store: Store,
         *,
         interval: float,
-        state_file: Optional[Path] = None,
         rng: Optional[random.Random] = None,
         clock: Callable[[], float] = time.time,
-        extra_state: Optional[Callable[[], dict[str, Any]]] = None,
+        on_change: Optional[Callable[[], None]] = None,
         adaptive: bool = True,
         budget: Optional[ApiBudget] = None,
     ) -> None:
         self._sources = list(sources)
         self._store = store
         self._interval = interval
-        self._state_file = state_file
         self._rng = rng or random.Random()
         self._clock = clock
-        # Sections of the state file kept by others (the job events, sidecar.host.events).
-        self._extra_state = extra_state
+        self._on_change = on_change  # called in the poll thread when a deadline changed
         # The far-release schedule (sidecar.host.schedule) for the sources that have one,
         # and the cap on the OpenAPI calls of this host (None: none).
         self._adaptive = adaptive
@@ -98,7 +86,6 @@ class Poller:
         self._threads: list[threading.Thread] = []
         self._attempted: set[str] = set()
         self._attempt_lock = threading.Lock()
-        self._save_lock = threading.Lock()
         self._last_logged_error: dict[str, Optional[str]] = {}
         self._vanished: dict[str, int] = {}  # polls in a row without the known deadline
         self._last_absent: dict[str, str] = {}  # why auto found a source absent, as logged
@@ -110,7 +97,7 @@ class Poller:
     # ------------------------------------------------------------------ one poll
 
     def poll_once(self, source: Source) -> float:
-        """Poll one source, record the result, persist on change; return the next delay."""
+        """Poll one source, record the result, say when it changed; return the next delay."""
         try:
             observation = source.poll()
         except SourceAbsent as exc:  # --source auto: not on this machine (asked again later)
@@ -157,7 +144,8 @@ class Poller:
             self._last_logged_error[source.name] = None
             if changed:
                 log.info("source %s: %s", source.name, _describe(observation))
-                self.save()
+                if self._on_change is not None:
+                    self._on_change()
             self._say_zone(source.name, observation.assumed_timezone)
             self._say_past(source.name, observation)
             delay = self._next_success_delay(source, observation)
@@ -242,8 +230,6 @@ class Poller:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self._state_file is not None:
-            load_state(self._state_file, self._store)
         self._stop.clear()
         for source in self._sources:
             thread = threading.Thread(
@@ -281,144 +267,13 @@ class Poller:
         self._stop.set()
 
     def stop(self, timeout: float = 4.0) -> None:
-        """Stop the loops and flush the state file. A poll in flight is not waited for
-        past ``timeout`` (its threads are daemons; the SDK's own timeout bounds it)."""
+        """Stop the loops. A poll in flight is not waited for past ``timeout`` (its
+        threads are daemons; the SDK's own timeout bounds it)."""
         self._stop.set()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._threads.clear()
-        self.save()
-
-    def save(self) -> None:
-        if self._state_file is None:
-            return
-        with self._save_lock:
-            try:
-                save_state(self._state_file, self._store, self._extra_state)
-            except OSError as exc:
-                log.warning("could not write state file %s: %s", self._state_file, exc)
-
-
-# ---------------------------------------------------------------------- state file
-
-
-def save_state(path: Path, store: Store,
-               extra: Optional[Callable[[], dict[str, Any]]] = None) -> None:
-    """Write the last good observation of each source, atomically; ``extra()``: more
-    top-level sections, which the loader here ignores and never the deadline's own keys."""
-    sources: dict[str, Any] = {}
-    for status in store.snapshot().sources:
-        if status.observation is not None and status.observed_at_unix is not None:
-            observation = asdict(status.observation)
-            # Notices are what a source sees now: the next poll brings them back.
-            del observation["notices"]
-            sources[status.name] = {
-                "observation": observation,
-                "observed_at_unix": status.observed_at_unix,
-            }
-    state: dict[str, Any] = {"version": STATE_VERSION, "sources": sources}
-    if extra is not None:
-        state.update({key: value for key, value in extra().items() if key not in state})
-    body = json.dumps(state, indent=1).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A random part too: a daemon that is always PID 1 (a container) must not meet the
-    # temporary file its last crash left behind.
-    replace_atomically(path, body, f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-
-
-def load_state(path: Path, store: Store, *, now: Optional[float] = None) -> None:
-    """Restore what an earlier run saw. A missing file is nothing to restore; a damaged
-    one (it does not parse, or any field has the wrong type or an implausible value) is
-    set aside as ``<name>.bad`` with one log line: nothing of it is served or written
-    back. Leftover temporary files of earlier writes are removed."""
-    _remove_leftover_temps(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        log.warning("ignoring state file %s: %s", path, _one_line(str(exc)))
-        return
-    try:
-        entries = _parse_state(raw, time.time() if now is None else now)
-    except ValueError as exc:
-        aside = path.with_name(path.name + ".bad")
-        try:
-            os.replace(path, aside)
-        except OSError:
-            aside = path
-        log.warning("ignoring state file %s (kept as %s): %s", path, aside.name,
-                    _one_line(str(exc)))
-        return
-    for name, observation, observed_at in entries:
-        store.restore(name, observation, observed_at)
-    log.info("restored last known state from %s", path)
-
-
-# What a saved deadline may be: a Unix time between 2000 and the year 5138 (the bounds of
-# sidecar.timeparse); an observation may not come from the future (a day of clock skew).
-_EARLIEST_UNIX = 946684800.0
-_LATEST_UNIX = 1e11
-_FUTURE_SKEW_SECONDS = 86400.0
-_TEXT_FIELDS = ("kind", "instance_id", "scheduled_instance_id", "assumed_timezone")
-
-
-def _parse_state(raw: bytes, now: float) -> list[tuple[str, Observation, float]]:
-    """The entries of a state file, each field checked; ValueError naming the first bad
-    one. All or nothing: one bad entry sets the whole file aside."""
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    if data.get("version") != STATE_VERSION:
-        raise ValueError(f"unknown version {data.get('version')!r}")
-    sources = data.get("sources")
-    if not isinstance(sources, dict):
-        raise ValueError("sources must be an object")
-    entries = []
-    for name, entry in sources.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("observation"), dict):
-            raise ValueError(f"{name}: an entry needs an observation object")
-        fields = entry["observation"]
-        unknown = set(fields) - {"expires_at_unix", *_TEXT_FIELDS}
-        if unknown:
-            raise ValueError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
-        expires = fields.get("expires_at_unix")
-        if expires is not None:
-            expires = _unix(f"{name}.expires_at_unix", expires, _LATEST_UNIX)
-        for field in _TEXT_FIELDS:
-            value = fields.get(field)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name}.{field} must be text or null, got {value!r}")
-        observed = _unix(f"{name}.observed_at_unix", entry.get("observed_at_unix"),
-                         now + _FUTURE_SKEW_SECONDS)
-        observation = Observation(
-            expires_at_unix=expires, **{field: fields.get(field) for field in _TEXT_FIELDS}
-        )
-        entries.append((name, observation, observed))
-    return entries
-
-
-def _unix(name: str, value: Any, latest: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or not _EARLIEST_UNIX <= value <= latest:
-        raise ValueError(f"{name} is not a plausible Unix time: {value!r}")
-    return float(value)
-
-
-def _remove_leftover_temps(path: Path) -> None:
-    """Temporary files of writes a crash cut short (``.state.json.<pid>.<random>.tmp``)."""
-    try:
-        leftovers = list(path.parent.glob(f".{path.name}.*.tmp"))
-    except OSError:
-        return
-    for leftover in leftovers:
-        with contextlib.suppress(OSError):
-            leftover.unlink()
 
 
 def _one_line(text: str, limit: int = 300) -> str:

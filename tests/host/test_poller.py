@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.host.poller import Poller, load_state, next_delay, save_state
+from sidecar.host.poller import Poller, next_delay
 from sidecar.host.sources.env import EnvSource
+from sidecar.host.statefile import StateFile
 from sidecar.host.store import Store
+from sidecar.host.store_section import StoreSection
 from sidecar.models import Observation
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
@@ -36,11 +38,27 @@ def test_throttling_backs_off_from_a_higher_start() -> None:
     assert 24 <= next_delay(30, 9, throttled=True, rng=rng) <= 36
 
 
+def state_of(path: Path | None, store: Store, now: float | None = None) -> StateFile:
+    """The daemon's state file with the store's section (sidecar.host.statefile)."""
+    state = StateFile(path)
+    state.add(StoreSection(store) if now is None else StoreSection(store, clock=lambda: now))
+    return state
+
+
+def load_state(path: Path, store: Store, *, now: float | None = None) -> None:
+    state_of(path, store, now).load()
+
+
+def save_state(path: Path, store: Store) -> None:
+    state_of(path, store).write()
+
+
 def make(environ: dict[str, str], tmp_path: Path | None = None) -> tuple[Poller, Store]:
     source = EnvSource(environ=environ)
     store = Store([source.name], stale_after=90)
     state_file = tmp_path / "state.json" if tmp_path else None
-    poller = Poller([source], store, interval=30, state_file=state_file, rng=random.Random(0))
+    poller = Poller([source], store, interval=30, on_change=state_of(state_file, store).write,
+                    rng=random.Random(0))
     return poller, store
 
 
@@ -167,7 +185,8 @@ def test_unwritable_state_file_is_logged_not_raised(
     blocker.write_text("")
     source = EnvSource(environ={MLP: "1900000000"})
     store = Store(["env"], stale_after=90)
-    poller = Poller([source], store, interval=30, state_file=blocker / "state.json")
+    poller = Poller([source], store, interval=30,
+                    on_change=state_of(blocker / "state.json", store).write)
     poller.poll_once(source)
     assert store.expiry().expires_at_unix == 1900000000
     assert "could not write state file" in caplog.text
