@@ -214,6 +214,27 @@ def test_only_the_wiring_picks_sources_and_builds_the_uploader() -> None:
     assert broken == [] and uploader == []
 
 
+UPLOAD_PLAN = "sidecar.host.upload.plan"
+
+
+def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
+    """One estimate and one give-way rule (issue 21, item 4): the plan imports only the
+    standard library (and the shared modules), and the simulator takes them from it,
+    reaching into the host side for nothing else."""
+    impure = [
+        _where(i)
+        for i in IMPORTS
+        if i.module == UPLOAD_PLAN
+        if not (i.target.split(".")[0] in STDLIB or _in(i.target, *SHARED))
+    ]
+    simulator = [i for i in IMPORTS if _in(i.module, "sidecar.tools.simulate")]
+    elsewhere = [_where(i) for i in simulator
+                 if _in(i.target, "sidecar.host") and i.target != UPLOAD_PLAN]
+    assert impure == [] and elsewhere == []
+    assert "sidecar.tools.simulate.engine" in {i.module for i in simulator
+                                               if i.target == UPLOAD_PLAN}
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     broken = [
         f"{_where(i)} ({name})"
