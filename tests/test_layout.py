@@ -269,6 +269,27 @@ def test_the_state_file_rule_sees_a_poller_that_writes_it(tmp_path: Path) -> Non
     assert "sidecar.host.poller:3 names state_file" in breaks
 
 
+UPLOAD_PLAN = "sidecar.host.upload.plan"
+
+
+def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
+    """One estimate and one give-way rule (issue 21, item 4): the plan imports only the
+    standard library (and the shared modules), and the simulator takes them from it,
+    reaching into the host side for nothing else."""
+    impure = [
+        _where(i)
+        for i in IMPORTS
+        if i.module == UPLOAD_PLAN
+        if not (i.target.split(".")[0] in STDLIB or _in(i.target, *SHARED))
+    ]
+    simulator = [i for i in IMPORTS if _in(i.module, "sidecar.tools.simulate")]
+    elsewhere = [_where(i) for i in simulator
+                 if _in(i.target, "sidecar.host") and i.target != UPLOAD_PLAN]
+    assert impure == [] and elsewhere == []
+    assert "sidecar.tools.simulate.engine" in {i.module for i in simulator
+                                               if i.target == UPLOAD_PLAN}
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     broken = [
         f"{_where(i)} ({name})"

@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import Callable, Optional
 
-from sidecar.checkpoint.durable import replace_atomically
 from sidecar.host.schedule import (
     ADAPTIVE_SOURCES,
     API_SOURCES,

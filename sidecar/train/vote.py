@@ -24,8 +24,8 @@ from sidecar.train.policy import PolicyDecision
 __all__ = [
     "MAX",
     "MIN",
-    "Op",
     "CollectiveVote",
+    "Op",
     "Reducer",
     "Verdict",
     "Vote",

@@ -28,7 +28,8 @@ from upload_support import (
 
 from sidecar.host.settings import ConfigError, load_settings
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.status import UPLOAD_MARGIN, UploadRecord, UploadTracker
+from sidecar.host.upload.plan import ESTIMATE_MARGIN as UPLOAD_MARGIN
+from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy

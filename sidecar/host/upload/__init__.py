@@ -8,6 +8,8 @@ checkpoint back onto a fresh machine. See docs/upload.md.
 
 Modules, one job each:
 
+- ``plan``: the next upload's estimate and which upload goes first near the release
+  (pure, standard library only; the simulator runs the same rule);
 - ``location``: ``s3://bucket/prefix`` and the key layout (standard library only);
 - ``storage``: the boto3 client and transfer settings, errors in one clear line;
 - ``transfer``: one checkpoint up (manifest last) or down (verified);
@@ -17,5 +19,6 @@ Modules, one job each:
 - ``restore``: the ``esi-sidecar restore`` command's work.
 
 This file imports nothing on purpose: the daemon imports the package only when upload is
-configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL.
+configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL and
+``plan`` for a default (the simulator imports ``plan`` alone, too).
 """

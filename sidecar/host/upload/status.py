@@ -21,9 +21,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from sidecar.host.settings import UPLOAD_ESTIMATE_MARGIN, UPLOAD_ESTIMATE_SIZES
+from sidecar.host.upload import plan
 
-__all__ = ["STATES", "UPLOAD_MARGIN", "UploadRecord", "UploadTracker"]
+__all__ = ["STATES", "UploadRecord", "UploadTracker"]
 
 # pending: waiting its turn; uploading; done: durable remotely (manifest written last);
 # failed: the last attempt failed, retried after a backoff; skipped: a newer checkpoint
@@ -31,12 +31,6 @@ __all__ = ["STATES", "UPLOAD_MARGIN", "UploadRecord", "UploadTracker"]
 STATES = ("pending", "uploading", "done", "failed", "skipped")
 DURATION_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
 KEEP_RECORDS = 200  # finished records kept for the status page; the oldest go first
-# The next upload's duration: the largest of the newest SIZE_WINDOW checkpoints over the
-# throughput of the last RATE_WINDOW uploads, times UPLOAD_MARGIN (as SavePolicy's x1.2
-# on measured saves: normal variation, and the fixed cost of a small checkpoint).
-SIZE_WINDOW = UPLOAD_ESTIMATE_SIZES
-RATE_WINDOW = 5
-UPLOAD_MARGIN = UPLOAD_ESTIMATE_MARGIN
 
 
 @dataclass(frozen=True)
@@ -102,7 +96,8 @@ class UploadTracker:
     ) -> None:
         self._lock = threading.Lock()
         self.max_bandwidth = max_bandwidth  # bytes per second, the configured cap
-        self._rates: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (bytes, seconds)
+        # (bytes, seconds) of the uploads the estimate's throughput is measured over
+        self._rates: deque[tuple[int, float]] = deque(maxlen=plan.RATE_WINDOW)
         self._clock = clock
         self.source = source
         self.destination = destination
@@ -224,21 +219,15 @@ class UploadTracker:
         around the transfer included); the configured cap until one was measured."""
         with self._lock:
             rates = list(self._rates)
-        if not rates:
-            return None if self.max_bandwidth is None else float(self.max_bandwidth)
-        measured = sum(size for size, _ in rates) / sum(seconds for _, seconds in rates)
-        return measured if self.max_bandwidth is None else min(measured, self.max_bandwidth)
+        return plan.throughput(rates, self.max_bandwidth)
 
     def next_upload_seconds(self) -> Optional[float]:
         """How long the next checkpoint will take to become durable, once saved locally:
-        the largest recent checkpoint over :meth:`throughput`, with a margin. None before
-        a checkpoint was seen, or while no throughput is known (no upload measured and no
-        ``--upload-max-bandwidth``)."""
-        newest = self.records()[:SIZE_WINDOW]
-        rate = self.throughput()
-        if not newest or not rate:
-            return None
-        return max(r.bytes_total for r in newest) / rate * UPLOAD_MARGIN
+        the largest recent checkpoint over :meth:`throughput`, with a margin
+        (``plan.next_upload_seconds``). None before a checkpoint was seen, or while no
+        throughput is known (no upload measured and no ``--upload-max-bandwidth``)."""
+        sizes = [r.bytes_total for r in self.records()]  # newest first
+        return plan.next_upload_seconds(sizes, self.throughput())
 
     def durability(self) -> tuple[Optional[float], str]:
         """What ``/v1/expiry`` serves: ``(next_upload_seconds, status)``."""

@@ -9,7 +9,7 @@ manifest last), repeat; sleep until the folder changes (inotify) or the next res
   Normally an upload in progress finishes first; when the release is near (remaining
   seconds below ``near_release_seconds``) it yields at once to the newest checkpoint,
   unless both still end before the release, this one first (the final checkpoint, then
-  the top-up save after it).
+  the top-up save after it). The rule and the estimate are ``plan``'s, the simulator's too.
 - Pins. ``.uploading`` is written into the local folder before the first byte goes and
   removed after, so ``atomic_checkpoint(keep_last=...)`` never deletes a folder that is
   being uploaded. A daemon killed mid-upload leaves its marker; the next start removes
@@ -36,12 +36,10 @@ from typing import Any, Callable, Optional, Protocol
 
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
 from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
-from sidecar.host.settings import (
-    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
-)
+from sidecar.host.settings import DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
+from sidecar.host.upload import plan
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.status import UPLOAD_MARGIN, UploadRecord, UploadTracker
+from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
@@ -90,7 +88,7 @@ class UploaderConfig:
     location: Optional[S3Location]  # None when the destination is given (a mounted volume)
     storage: StorageConfig = field(default_factory=StorageConfig)
     keep_local: Optional[int] = None  # prune durable checkpoints beyond the N newest
-    near_release_seconds: float = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
+    near_release_seconds: float = plan.NEAR_RELEASE_SECONDS
     scan_interval_seconds: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     backoff_base_seconds: float = 1.0
     backoff_cap_seconds: float = 60.0
@@ -350,33 +348,20 @@ class Uploader:
             self._wake.clear()
             self._scan()  # newer checkpoints show up in the status while this one goes
         remaining = self._remaining()
-        # Near: within the configured time, or within twice the next upload's duration
-        # (a large checkpoint on a slow link needs more than the configured 600 s).
-        near = max(self.config.near_release_seconds,
-                   2 * (self.tracker.next_upload_seconds() or 0.0))
-        if remaining is None or remaining >= near:
-            return None  # not near: finish this one, the newest goes next
         newest = next((r for r in self.tracker.records() if r.state in ("pending", "failed")),
                       None)
-        if newest is None or not newest.newer_than(current):
-            return None
-        if self._both_fit(current, newest, remaining):
-            return None  # this one, then the newer one, both before the release
+        if remaining is None or newest is None or not newest.newer_than(current):
+            return None  # nothing newer to give way to: finish this one
+        progress = self.tracker.get(current.name) or current
+        if not plan.gives_way(
+            remaining, near_release_seconds=self.config.near_release_seconds,
+            next_upload=self.tracker.next_upload_seconds(),
+            current_left=max(0, progress.bytes_total - progress.bytes_done),
+            newer=newest.bytes_total, rate=self.tracker.throughput(),
+        ):
+            return None  # far from the release, or both still end before it, this one first
         return (f"yielded to {newest.name} (step {newest.step}): the release is "
                 f"{max(0.0, remaining):.0f} s away")
-
-    def _both_fit(self, current: UploadRecord, newer: UploadRecord, remaining: float) -> bool:
-        """Whether finishing ``current`` and then uploading ``newer`` both end before the
-        release, at the measured throughput with the estimate's margin. The final
-        checkpoint and the top-up save after it (``SavePolicy.top_up_seconds``, which
-        budgets for this order) both count: giving up a final upload that is nearly done
-        for a top-up would risk both. Unknown throughput: False (yield, as before)."""
-        rate = self.tracker.throughput()
-        if not rate:
-            return False
-        now = self.tracker.get(current.name) or current
-        left = max(0, now.bytes_total - now.bytes_done) + newer.bytes_total
-        return left / rate * UPLOAD_MARGIN <= remaining
 
     def _failed(self, name: Optional[str], message: str) -> None:
         now = self._clock()

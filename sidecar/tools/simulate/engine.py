@@ -8,7 +8,8 @@ docs/simulation.md states; keep the two in step.
   disk goes with it. A checkpoint counts only once it is *durable*: at once without an
   uploader, else when its upload ended (see :func:`durable_times`, the daemon's uploader
   in a few lines: one upload at a time, newest first, an older one near the release
-  yields to a newer one unless both still end in time).
+  yields to a newer one unless both still end in time; the estimate and that rule are
+  the daemon's own, ``sidecar.host.upload.plan``).
 - A deadline change reaches the job ``notice_delay_seconds`` after it happened (the daemon
   serves it after its next poll); the deadline known at the start is known at once.
 - ``lead``: reclaim time minus the time the job learned the deadline that was enforced.
@@ -32,11 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from sidecar.host.settings import (
-    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-    UPLOAD_ESTIMATE_MARGIN,
-    UPLOAD_ESTIMATE_SIZES,
-)
+from sidecar.host.upload import plan
 from sidecar.tools.simulate.policies import (
     POLICIES,
     PolicyFactory,
@@ -59,6 +56,9 @@ __all__ = [
 ]
 
 DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its default)
+# The plan's amounts here are upload durations, the daemon's bytes: at rate 1 an upload's
+# amount is its own duration.
+UPLOAD_RATE = 1.0
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
 # The top-up margins compared to choose SavePolicy's default (None: no top-up).
 TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -140,7 +140,8 @@ def _reclaim(changes: Sequence[DeadlineChange]) -> tuple[float, int]:
 
 
 def _estimate(done: Sequence[float]) -> Optional[float]:
-    return max(done[-UPLOAD_ESTIMATE_SIZES:]) * UPLOAD_ESTIMATE_MARGIN if done else None
+    """What the daemon serves after the uploads ``done`` (durations, oldest first)."""
+    return plan.next_upload_seconds(done[::-1], UPLOAD_RATE)
 
 
 def durable_times(
@@ -150,12 +151,12 @@ def durable_times(
 ) -> list[float]:
     """When each checkpoint became durable (``inf``: never, its upload was given up or
     skipped). The daemon's uploader: one upload at a time; a checkpoint arriving while one
-    runs waits (replacing an older one waiting, which is skipped); when the release is
-    near (``DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS`` or twice the estimate) the running upload
-    is given up for the newer one unless finishing it and then uploading the newer one
-    both end by the known deadline (its estimate: the recent uploads x 1.2)."""
+    runs waits (replacing an older one waiting, which is skipped); near the release the
+    running upload gives way to the newer one as ``plan.gives_way`` says (the daemon's
+    default ``--upload-near-release``; the newer one's size guessed as the largest recent
+    upload, the daemon's estimate)."""
     durable = [math.inf] * len(checkpoints)
-    done = [] if first_estimate is None else [first_estimate / UPLOAD_ESTIMATE_MARGIN]
+    done = [] if first_estimate is None else [first_estimate / plan.ESTIMATE_MARGIN]
     running: Optional[tuple[int, float, float]] = None  # index, started, ends
     waiting: Optional[int] = None
 
@@ -180,12 +181,12 @@ def durable_times(
             running = (index, now, now + checkpoint.upload_seconds)
             continue
         deadline = known_deadline(now)
-        estimate = _estimate(done) or 0.0
         remaining = None if deadline is None else deadline - now
-        near = remaining is not None and remaining < max(
-            DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS, 2 * estimate)
-        left = (running[2] - now) * UPLOAD_ESTIMATE_MARGIN
-        if near and remaining is not None and left + estimate > remaining:
+        if plan.gives_way(
+            remaining, near_release_seconds=plan.NEAR_RELEASE_SECONDS,
+            next_upload=_estimate(done), current_left=running[2] - now,
+            newer=plan.largest_recent(done[::-1]) or 0.0, rate=UPLOAD_RATE,
+        ):
             running = (index, now, now + checkpoint.upload_seconds)  # give the old one up
             waiting = None
         else:
@@ -213,7 +214,8 @@ def simulate_run(
     feasible = reclaim_seconds - learned_seconds >= worst
     window_opens = max(learned_seconds, reclaim_seconds - (worst + WINDOW_MARGIN_SECONDS))
     uploads = workload.upload_seconds > 0
-    first_estimate = workload.upload_seconds * UPLOAD_ESTIMATE_MARGIN if uploads else None
+    first_estimate = (plan.upload_seconds(workload.upload_seconds, UPLOAD_RATE) if uploads
+                      else None)
 
     def known_deadline(now_seconds: float) -> Optional[float]:
         deadline = None

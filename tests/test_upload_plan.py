@@ -1,0 +1,92 @@
+"""The upload plan on plain numbers: the next upload's estimate and the give-way rule that
+the daemon's uploader and the simulator share (``sidecar.host.upload.plan``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+
+from sidecar.host.upload import plan
+from sidecar.host.upload.plan import (
+    ESTIMATE_MARGIN,
+    NEAR_RELEASE_SECONDS,
+    gives_way,
+    largest_recent,
+    near_release,
+    next_upload_seconds,
+    throughput,
+    upload_seconds,
+)
+
+MIB = 1 << 20
+
+
+def test_the_constants_are_the_documented_ones() -> None:
+    assert (plan.SIZE_WINDOW, plan.RATE_WINDOW) == (3, 5)
+    assert ESTIMATE_MARGIN == 1.2 and NEAR_RELEASE_SECONDS == 600.0
+
+
+def test_throughput_is_the_recent_bytes_over_their_seconds_capped() -> None:
+    assert throughput([], None) is None  # nothing measured, no cap
+    assert throughput([], 50 * MIB) == 50 * MIB  # the cap until an upload was measured
+    # Whole uploads weighted by size, not a mean of rates: (100 + 300) MiB in (10 + 10) s.
+    assert throughput([(100 * MIB, 10.0), (300 * MIB, 10.0)], None) == 20 * MIB
+    assert throughput([(100 * MIB, 10.0), (300 * MIB, 10.0)], 5 * MIB) == 5 * MIB
+    assert throughput(iter([(10.0, 2.0)]), 100.0) == 5.0  # any iterable, once
+
+
+def test_the_estimate_is_the_largest_of_the_newest_three_with_the_margin() -> None:
+    assert largest_recent([]) is None
+    # Newest first: the fourth (the old 900) is out of the window.
+    assert largest_recent([10.0, 30.0, 20.0, 900.0]) == 30.0
+    assert next_upload_seconds([10.0, 30.0, 20.0, 900.0], 2.0) == pytest.approx(30 / 2 * 1.2)
+    assert next_upload_seconds([], 2.0) is None  # no checkpoint seen
+    assert next_upload_seconds([10.0], None) is None  # no rate known
+    assert next_upload_seconds([10.0], 0.0) is None
+    assert upload_seconds(100.0, 10.0) == pytest.approx(12.0)
+
+
+def test_near_is_the_configured_time_or_twice_the_next_upload() -> None:
+    assert not near_release(None, 600.0, None)  # no deadline: never near
+    assert near_release(599.0, 600.0, None) and not near_release(600.0, 600.0, None)
+    # A 500 s upload makes the release near from 1,000 s on.
+    assert near_release(999.0, 600.0, 500.0) and not near_release(1000.0, 600.0, 500.0)
+
+
+def _gives_way(remaining: Optional[float], *, left: float = 50.0, newer: float = 50.0,
+               rate: Optional[float] = 1.0, next_upload: Optional[float] = 60.0) -> bool:
+    return gives_way(remaining, near_release_seconds=600.0, next_upload=next_upload,
+                     current_left=left, newer=newer, rate=rate)
+
+
+def test_far_from_the_release_the_running_upload_finishes_first() -> None:
+    assert not _gives_way(None)
+    assert not _gives_way(5000.0, left=4000.0, newer=4000.0)  # would not fit, but far
+    assert not _gives_way(600.0, rate=None)  # the boundary itself is not near
+
+
+def test_near_the_release_both_go_when_both_fit_this_one_first() -> None:
+    # 50 s left of the final checkpoint, then a 50 s top-up: 120 s with the margin.
+    assert not _gives_way(121.0) and not _gives_way(120.0)  # ending at the release fits
+    assert _gives_way(119.0)  # they do not both fit: the newer one goes first
+    # In bytes: 100 MiB left + 200 MiB newer at 10 MiB/s = 36 s with the margin.
+    assert not _gives_way(40.0, left=100 * MIB, newer=200 * MIB, rate=10 * MIB)
+    assert _gives_way(30.0, left=100 * MIB, newer=200 * MIB, rate=10 * MIB)
+
+
+def test_near_the_release_an_unknown_rate_gives_way() -> None:
+    assert _gives_way(500.0, rate=None)
+    assert _gives_way(500.0, rate=0.0)
+
+
+def test_importing_the_plan_loads_no_third_party_module() -> None:
+    code = ("import sys, sidecar.host.upload.plan; "
+            "print(sorted(m for m in ('boto3', 'botocore', 'watchdog', 'fastapi', "
+            "'prometheus_client', 'sidecar.host.settings', 'sidecar.host.upload.status') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
