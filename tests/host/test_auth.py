@@ -57,7 +57,7 @@ def test_serve_beyond_loopback_without_a_token_stops_with_one_line() -> None:
 def _namespace_command() -> list[str]:
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
         pytest.skip("needs root, unshare and ip (iproute2) for a network namespace")
-    check = Path(__file__).resolve().parents[2] / "support" / "auth_netns_check.py"
+    check = Path(__file__).resolve().parents[1] / "support" / "auth_netns_check.py"
     return ["unshare", "--net", sys.executable, str(check)]
 
 

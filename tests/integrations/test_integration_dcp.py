@@ -20,7 +20,7 @@ from sidecar.checkpoint.folders import MANIFEST_NAME, latest_valid, list_checkpo
 pytest.importorskip("torch")
 pytestmark = pytest.mark.frameworks
 
-WORKER = Path(__file__).resolve().parents[2] / "support" / "dcp_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "dcp_worker.py"
 
 
 def run_scenario(tmp_path: Path, scenario: str, world_size: int = 2,

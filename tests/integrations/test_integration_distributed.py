@@ -40,7 +40,7 @@ from sidecar.train.vote import Vote
 
 pytestmark = pytest.mark.frameworks
 
-WORKER = Path(__file__).resolve().parents[2] / "support" / "distributed_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "distributed_worker.py"
 STEP_SECONDS = [10.0, 20.0, 5.0, 15.0]  # per rank; rank 1 is the slowest
 RELEASE_AFTER = 100  # simulated seconds after base, on rank 0's daemon only
 EXPECTED_SAVE_STEP = 7
