@@ -10,7 +10,7 @@ the command line is parsed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from sidecar.host.sources.base import Source, SourceTraits
@@ -58,7 +58,7 @@ class SourceSpec(Generic[C]):
     summary: str = ""  # a few words for --source's help, e.g. "the ESI release"
     aliases: tuple[str, ...] = ()
     options: tuple[Option, ...] = ()
-    traits: SourceTraits = SourceTraits()
+    traits: SourceTraits = field(default_factory=SourceTraits)
     # --source auto runs the source when this finds its service (None: auto leaves it out):
     # None when it answers, else why not, in one line; never raises.
     probe: Optional[Callable[[C, float], Optional[str]]] = None

@@ -23,8 +23,6 @@ import logging
 import os
 import re
 import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, tzinfo
 from typing import Any, Callable, Optional
@@ -105,6 +103,7 @@ class VolcengineEsiSource:
         metadata_timeout: float = 2.0,
         metadata_attempts: int = 3,
     ) -> None:
+        import urllib.request  # lazily: the settings table imports every source module
         if api_endpoint is not None and urlsplit(api_endpoint).scheme not in ("http", "https"):
             raise ValueError(f"api_endpoint must be an http:// or https:// URL: {api_endpoint!r}")
         self._instance_id = instance_id or None
@@ -253,6 +252,8 @@ class VolcengineEsiSource:
 
     def _metadata(self, name: str) -> str:
         """GET ``{metadata_url}/latest/{name}``, a few tries within this poll."""
+        import urllib.error
+        import urllib.request  # lazily: the settings table imports every source module
         url = f"{self._metadata_url}/latest/{name}"
         problem = "no answer"
         for _ in range(self._metadata_attempts):
@@ -359,6 +360,7 @@ class VolcengineEsiSource:
         The SDK reads HTTP(S)_PROXY but not NO_PROXY, so on a host with a proxy in its
         environment it would send even 127.0.0.1 through that proxy.
         """
+        import urllib.request  # lazily: the settings table imports every source module
         parts = urlsplit(endpoint)
         host = parts.hostname or ""
         if _is_loopback(host):
@@ -495,6 +497,8 @@ def probe(config: VolcengineConfig, timeout: float) -> Optional[str]:
     """None when the ECS metadata service answers with an instance id (for ``--source
     auto``), else why not, in one line. Skipped (None) when the settings name the
     instance and region: then no metadata is needed."""
+    import urllib.error
+    import urllib.request  # lazily: the settings table imports every source module
     if config.instance_id and config.region:
         return None
     url = f"{(config.metadata_url or DEFAULT_METADATA_URL).rstrip('/')}/latest/instance_id"
