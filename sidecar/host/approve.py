@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 from sidecar.host.sources.base import SourceError
 
@@ -20,10 +20,12 @@ __all__ = ["Approvable", "Approver"]
 log = logging.getLogger("sidecar.host.approve")
 
 
+@runtime_checkable
 class Approvable(Protocol):
     """A source whose platform takes approvals (``sidecar.host.sources.azure``)."""
 
     name: str
+    approve_enabled: bool  # --azure-approve
 
     def pending(self) -> list[tuple[str, float, str]]:
         """(event id, first seen Unix time, event type) not yet approved."""

@@ -37,9 +37,14 @@ from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
 from sidecar.host.schedule import ApiBudget
 from sidecar.host.settings import ConfigError, Settings, storage_options
-from sidecar.host.sources.auto import AUTO, CANDIDATES, PROBE_TIMEOUT_SECONDS, ProbedSource
+from sidecar.host.sources.auto import AUTO, PROBE_TIMEOUT_SECONDS, ProbedSource
 from sidecar.host.sources.base import Source, where
-from sidecar.host.sources.registry import create_source, probe_source
+from sidecar.host.sources.registry import (
+    auto_candidates,
+    create_source,
+    probe_source,
+    traits_of,
+)
 from sidecar.host.statefile import StateFile
 from sidecar.host.store import Store
 from sidecar.host.store_section import StoreSection
@@ -75,7 +80,8 @@ def build_sources(settings: Settings) -> list[Source]:
     named = [name for name in settings.sources if name != AUTO]
     sources = [create_source(name, settings) for name in named]
     if AUTO in settings.sources:
-        sources.extend(_probed(name, settings) for name in CANDIDATES if name not in named)
+        sources.extend(_probed(name, settings) for name in auto_candidates()
+                       if name not in named)
     return sources
 
 
@@ -97,6 +103,7 @@ def build_daemon(settings: Settings) -> Daemon:
         sources, store, interval=settings.poll_interval, on_change=state.write,
         adaptive=settings.poll_schedule == "adaptive",
         budget=None if rate is None else ApiBudget(rate),
+        traits=traits_of(source.name for source in sources),
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
@@ -173,9 +180,9 @@ def _build_uploader(settings: Settings, store: Store) -> Any:
 
 def _build_approver(sources: list[Source], uploader: Any) -> Approver:
     def approvable() -> list[Approvable]:
-        running = [s.source if isinstance(s, ProbedSource) else s for s in sources]
-        return [cast(Approvable, s) for s in running
-                if s is not None and getattr(s, "approve_enabled", False)]
+        running: list[object] = [s.source if isinstance(s, ProbedSource) else s
+                                 for s in sources]
+        return [s for s in running if isinstance(s, Approvable) and s.approve_enabled]
 
     def durable_since() -> Optional[float]:
         record = uploader.tracker.last_durable()

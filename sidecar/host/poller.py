@@ -15,18 +15,23 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Callable, Optional
 
 from sidecar.host.schedule import (
-    ADAPTIVE_SOURCES,
-    API_SOURCES,
     ApiBudget,
     adaptive_interval,
     jittered,
     retry_cap,
 )
-from sidecar.host.sources.base import Observation, Source, SourceAbsent, SourceError, where
+from sidecar.host.sources.base import (
+    Observation,
+    Source,
+    SourceAbsent,
+    SourceError,
+    SourceTraits,
+    where,
+)
 from sidecar.host.store import Store, describe_passed, long_past
 from sidecar.timeparse import format_rfc3339
 
@@ -55,6 +60,7 @@ def next_delay(
 # Those confirming polls come sooner than the interval, at most CONFIRM_DELAY_SECONDS apart.
 VANISHED_CONFIRMATIONS = 3
 CONFIRM_DELAY_SECONDS = 5.0
+_PLAIN = SourceTraits()
 
 
 class Poller:
@@ -69,6 +75,7 @@ class Poller:
         on_change: Optional[Callable[[], None]] = None,
         adaptive: bool = True,
         budget: Optional[ApiBudget] = None,
+        traits: Optional[Mapping[str, SourceTraits]] = None,
     ) -> None:
         self._sources = list(sources)
         self._store = store
@@ -81,6 +88,9 @@ class Poller:
         self._adaptive = adaptive
         self.budget = budget
         self._said_budget = False
+        # What each source's spec says of it, by name (sidecar.host.sources.spec); a source
+        # not named follows --poll-interval on the fixed schedule, outside the budget.
+        self._traits = dict(traits or {})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._attempted: set[str] = set()
@@ -106,7 +116,7 @@ class Poller:
                 log.info("source %s does not run here: %s", source.name, reason)
                 self._last_absent[source.name] = reason
             self._mark_attempted(source.name)
-            return self._interval_of(source)
+            return exc.retry_after if exc.retry_after is not None else self._interval_of(source)
         except SourceError as exc:
             message = _one_line(str(exc))
             self._store.record_failure(source.name, message, throttled=exc.throttled)
@@ -157,7 +167,7 @@ class Poller:
         leaves the account's calls to the hosts whose release is near), else the
         interval."""
         base = self._interval_of(source)
-        if not self._adaptive or source.name not in ADAPTIVE_SOURCES:
+        if not self._adaptive or not self._traits_of(source).adaptive:
             return base
         status = next(s for s in self._store.snapshot().sources if s.name == source.name)
         when = None if status.observation is None else status.observation.expires_at_unix
@@ -165,7 +175,7 @@ class Poller:
 
     def _next_success_delay(self, source: Source, observation: Observation) -> float:
         base = self._interval_of(source)
-        if not self._adaptive or source.name not in ADAPTIVE_SOURCES:
+        if not self._adaptive or not self._traits_of(source).adaptive:
             return next_delay(base, 0, rng=self._rng)
         when = observation.expires_at_unix
         remaining = None if when is None else when - self._clock()
@@ -195,8 +205,11 @@ class Poller:
     def _interval_of(self, source: Source) -> float:
         """A source that must be polled on its own cadence says so (the aws source: every
         2 s, for a two-minute notice); the others follow --poll-interval."""
-        own = getattr(source, "poll_interval_seconds", None)
+        own = self._traits_of(source).poll_interval_seconds
         return float(own) if own else self._interval
+
+    def _traits_of(self, source: Source) -> SourceTraits:
+        return self._traits.get(source.name, _PLAIN)
 
     def _suspect(self, name: str, observation: Observation) -> bool:
         """A successful poll without a deadline, where one was known: suspect until
@@ -246,7 +259,7 @@ class Poller:
 
     def _wait_for_budget(self, source: Source) -> bool:
         """Wait until this host's API budget allows the call; False when stopped."""
-        if self.budget is None or source.name not in API_SOURCES:
+        if self.budget is None or not self._traits_of(source).api_budget:
             return True
         wait = self.budget.take()
         if wait > 0:

@@ -20,8 +20,6 @@ import time
 from typing import Callable, Optional
 
 __all__ = [
-    "ADAPTIVE_SOURCES",
-    "API_SOURCES",
     "DEFAULT_MAX_API_RATE",
     "FAR_FRACTION",
     "MAX_INTERVAL_SECONDS",
@@ -33,10 +31,8 @@ __all__ = [
     "retry_cap",
 ]
 
-# The sources whose answer is a release known long ahead, polled on the adaptive schedule.
-ADAPTIVE_SOURCES = frozenset({"volcengine-esi"})
-# The sources that call the account's OpenAPI, counted against --max-api-rate.
-API_SOURCES = frozenset({"volcengine-esi", "volcengine-events"})
+# Which sources follow this schedule, and which count against --max-api-rate, each
+# source's spec says (SourceTraits: adaptive, api_budget).
 
 FAR_FRACTION = 1 / 12  # of the time left: 12 calls an hour at most while >= 1 h away
 MAX_INTERVAL_SECONDS = 900.0

@@ -2,7 +2,8 @@
 
 Each setting is written once, in ``OPTIONS``: the argparse flag, the environment name,
 the parser, the default and the help text all come from that one row, so they cannot
-drift apart. ``Settings`` only stores values; the daemon does the work.
+drift apart. A source's own rows come from its module's spec (sidecar.host.sources.spec).
+``Settings`` only stores values; the daemon does the work.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from sidecar.host.schedule import API_SOURCES as SCHEDULED_API_SOURCES
 from sidecar.host.schedule import DEFAULT_MAX_API_RATE
+from sidecar.host.sources import registry
+from sidecar.host.sources.spec import ENV_PREFIX, Option
+from sidecar.host.sources.spec import parse_text as _text
+from sidecar.host.sources.spec import parse_url as _url
 from sidecar.host.upload.plan import NEAR_RELEASE_SECONDS as DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
@@ -35,13 +39,13 @@ __all__ = [
     "OPTIONS",
     "RESTORE_FLAGS",
     "ConfigError",
+    "Option",
     "Settings",
     "add_arguments",
     "load_settings",
     "storage_options",
 ]
 
-ENV_PREFIX = "ESI_SIDECAR_"
 DEFAULT_UPLOAD_CONCURRENCY = 8
 DEFAULT_UPLOAD_PART_SIZE = 64 << 20
 DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
@@ -55,7 +59,7 @@ MIN_API_POLL_INTERVAL_SECONDS = 5.0
 MIN_POLL_INTERVAL_SECONDS = 0.1
 # The sources that call the Volcengine OpenAPI every --poll-interval (auto may run them);
 # aws, gcp and azure keep their own cadence, env and static call nothing.
-API_SOURCES = ("auto", *sorted(SCHEDULED_API_SOURCES))
+API_SOURCES = ("auto", *sorted(s.name for s in registry.specs() if s.traits.api_budget))
 
 
 class ConfigError(ValueError):
@@ -109,6 +113,9 @@ class Settings:
     gcp_metadata_url: str = DEFAULT_GCP_METADATA_URL
     azure_metadata_url: str = DEFAULT_AZURE_METADATA_URL
     azure_approve: bool = False  # approve (StartRequests) once the checkpoint is durable
+    # The options a source's spec declares that are no field here (a source added since:
+    # its module and a registry line), by option name.
+    source_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def effective_max_api_rate(self) -> Optional[float]:
@@ -126,15 +133,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------- value parsers
-
-
-def _boolean(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("must be true or false")
 
 
 def _poll_schedule(text: str) -> str:
@@ -197,32 +195,16 @@ def _addresses(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def _source_names(text: str) -> tuple[str, ...]:
-    from sidecar.host.sources.registry import canonical_name
-
     names = [part for part in text.split(",") if part.strip()]
     if not names:
         raise ValueError("no source given")
-    return tuple(dict.fromkeys(canonical_name(name) for name in names))
+    return tuple(dict.fromkeys(registry.canonical_name(name) for name in names))
 
 
 def _token(text: str) -> str:
     from sidecar.host.auth import check_token
 
     return check_token(text.strip())
-
-
-def _text(text: str) -> str:
-    text = text.strip()
-    if not text:
-        raise ValueError("is empty")
-    return text
-
-
-def _url(text: str) -> str:
-    text = text.strip().rstrip("/")
-    if not text.startswith(("http://", "https://")):
-        raise ValueError("must start with http:// or https://")
-    return text
 
 
 def _positive_int(text: str) -> int:
@@ -284,11 +266,6 @@ def _log_level(text: str) -> str:
     return level
 
 
-def _timestamp(text: str) -> str:
-    parse_timestamp(text)  # validate now, so a typo stops start-up rather than every poll
-    return text.strip()
-
-
 def _zone(text: str) -> tzinfo:
     text = text.strip()
     if text.upper() in ("UTC", "Z"):
@@ -310,22 +287,21 @@ def _zone(text: str) -> tzinfo:
 _DEFAULTS = Settings()  # the help lines quote the defaults from here, not a copy
 
 
-@dataclass(frozen=True)
-class Option:
-    name: str  # attribute of Settings
-    parse: Callable[[str], Any]
-    help: str
-    metavar: str = "VALUE"
-    repeatable: bool = False
-    env_only: bool = False  # secrets: a flag would show in `ps` and shell history
+def _source_help() -> str:
+    """--source's help line, from the specs: what auto probes, what each source reads."""
+    candidates = ", ".join(registry.auto_candidates())
+    each = ", ".join(f"{s.name} ({s.summary})" if s.summary else s.name
+                     for s in registry.specs())
+    return (f"where the deadline comes from: auto (default: every one of {candidates} whose "
+            f"metadata service answers here), {each}; comma-separate several (the earliest "
+            "deadline wins)")
 
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
 
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+def _source_rows(*names: str, besides: tuple[str, ...] = ()) -> tuple[Option, ...]:
+    """The rows the sources' specs declare: those of ``names``, or with ``besides``, of
+    every source but those (a source added since lands there, in the registry's order)."""
+    chosen = names or [name for name in registry.SOURCES if name not in besides]
+    return tuple(option for name in chosen for option in registry.spec(name).options)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -338,21 +314,10 @@ OPTIONS: tuple[Option, ...] = (
            env_only=True),
     Option("token_file", Path, "read the token from this file instead (mode 600, readable "
            "by the service only)", "PATH"),
-    Option("source", _source_names, "where the deadline comes from: auto (default: every "
-           "one of volcengine-esi, volcengine-events, aws, gcp, azure whose metadata service "
-           "answers here), volcengine-esi (the ESI release), volcengine-events (ECS system "
-           "events: spot and early reclaim, maintenance), aws (EC2 spot notices and "
-           "maintenance), gcp (preemption, host maintenance), azure (Scheduled Events), "
-           "env, static; comma-separate several (the earliest deadline wins)", "NAME",
-           repeatable=True),
-    Option("instance_id", _text, "ECS instance id (default: ask the metadata service)", "ID"),
-    Option("scheduled_instance_id", _text, "ESI scheduled instance id (default: look it up "
-           "with DescribeInstances)", "ID"),
-    Option("region", _text, "region, e.g. cn-beijing (default: ask the metadata service)"),
-    Option("api_endpoint", _url, "ECS OpenAPI endpoint (default: the SDK's endpoint for the "
-           "region); a URL such as http://127.0.0.1:9000 points at the emulator", "URL"),
-    Option("metadata_url", _url, f"ECS metadata service (default {DEFAULT_METADATA_URL})",
-           "URL"),
+    Option("source", _source_names, _source_help(), "NAME", repeatable=True),
+    # The sources' own rows stand where they stood before the specs, so --help and the
+    # docs keep their order.
+    *_source_rows("volcengine-esi"),
     Option("poll_interval", _positive_seconds,
            f"seconds between polls (default {_DEFAULTS.poll_interval:g}, with +-10%% jitter; "
            "aws, gcp and azure keep their own cadence): at least "
@@ -371,25 +336,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
            "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
-    Option("expires_at", _timestamp, "the deadline for the static source: RFC 3339 or Unix "
-           "seconds / milliseconds", "TIME"),
+    *_source_rows("static"),
     Option("timezone", _zone, "time zone for timestamps that carry no offset (default: the "
            "source's platform's, the earliest plausible: UTC+8 for the Volcengine API and "
            "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, UTC for AWS, GCP and "
            "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP; --expires-at needs an "
            "offset unless this is set)", "ZONE"),
-    Option("aws_imds_url", _url, f"AWS instance metadata service for the aws source "
-           f"(default {DEFAULT_AWS_IMDS_URL})", "URL"),
-    Option("aws_imdsv1", _boolean, "let the aws source fall back to IMDSv1 (no session "
-           "token) when the token request is refused: true or false (default false)", "BOOL"),
-    Option("gcp_metadata_url", _url, f"GCE metadata server for the gcp source "
-           f"(default {DEFAULT_GCP_METADATA_URL})", "URL"),
-    Option("azure_metadata_url", _url, f"Azure Instance Metadata Service for the azure "
-           f"source (default {DEFAULT_AZURE_METADATA_URL})", "URL"),
-    Option("azure_approve", _boolean, "approve a pending Azure scheduled event "
-           "(StartRequests) once a checkpoint saved after it was announced is durable, so "
-           "the platform need not wait out the notice: true or false (default false)",
-           "BOOL"),
+    *_source_rows(besides=("volcengine-esi", "static")),  # aws, gcp, azure, ...
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
            "DIR"),
@@ -428,6 +381,7 @@ OPTIONS: tuple[Option, ...] = (
 
 # Option name -> Settings attribute, where they differ.
 _ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone"}
+_FIELDS = frozenset(f.name for f in fields(Settings))
 
 
 # `esi-sidecar restore` reads the upload settings through this same table, under its own
@@ -483,6 +437,7 @@ def load_settings(
     given = dict(given or {})
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    source_options: dict[str, Any] = {}  # a spec's rows that are no field of Settings
     given_as: dict[str, tuple[str, str]] = {}  # option name -> (flag or variable, raw text)
     for option, flag in _chosen(flags):
         raw = given.get(option.name)
@@ -496,11 +451,13 @@ def load_settings(
                 raw = None  # an empty variable means "not set", as in the shell
         if raw is None:
             continue
+        attribute = _ATTRIBUTE.get(option.name, option.name)
         try:
-            values[_ATTRIBUTE.get(option.name, option.name)] = option.parse(str(raw))
+            parsed = option.parse(str(raw))
         except (ValueError, TimestampError) as exc:
             shown = "(hidden)" if option.env_only else repr(str(raw))
             raise ConfigError(f"invalid {origin} value {shown}: {exc}") from None
+        (values if attribute in _FIELDS else source_options)[attribute] = parsed
         given_as[option.name] = (origin, str(raw))
     if "state_file" not in values and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (several paths are colon-separated).
@@ -516,7 +473,7 @@ def load_settings(
             values["token"] = read_token_file(values["token_file"])
         except ValueError as exc:
             raise ConfigError(f"invalid {origin}: {exc}") from None
-    settings = Settings(**values)
+    settings = Settings(**values, source_options=source_options)
     _check(settings)
     if "poll_interval" in given_as:
         _check_poll_interval(settings, *given_as["poll_interval"])

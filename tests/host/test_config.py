@@ -213,8 +213,8 @@ def test_a_static_deadline_without_an_offset_needs_a_time_zone() -> None:
                                    "ESI_SIDECAR_EXPIRES_AT": "2030-01-01 08:00"})
     assert "ESI_SIDECAR_EXPIRES_AT" in str(info.value)
     settings = load_settings({**given, "timezone": "Asia/Shanghai"}, environ={})
-    from sidecar.host.sources.static import from_settings
+    from sidecar.host.sources.registry import create_source
 
-    observation = from_settings(settings).poll()
+    observation = create_source("static", settings).poll()
     assert observation.expires_at_unix == 1893456000.0
     assert observation.assumed_timezone == "Asia/Shanghai"

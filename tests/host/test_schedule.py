@@ -23,7 +23,7 @@ from sidecar.host.schedule import (
     jittered,
 )
 from sidecar.host.settings import Settings
-from sidecar.host.sources.registry import create_source
+from sidecar.host.sources.registry import create_source, traits_of
 from sidecar.host.store import Store, build_health
 from sidecar.tools.emulator import Emulator
 
@@ -157,7 +157,8 @@ def test_a_far_release_is_polled_rarely_and_stays_fresh_between_polls(
     emulator.set_release_in(2 * 3600)
     source = esi_source(emulator)
     store = Store([source.name], stale_after=3 * BASE)
-    poller = Poller([source], store, interval=BASE, rng=random.Random(0))
+    poller = Poller([source], store, interval=BASE, rng=random.Random(0),
+                    traits=traits_of([source.name]))
     delay = poller.poll_once(source)
     assert 540 <= delay <= 600  # 1/12 of two hours, less up to 10 %
     # Fresh until the planned poll is late, not after 3 x 30 s as with the fixed schedule.
@@ -170,7 +171,8 @@ def test_a_far_release_is_polled_rarely_and_stays_fresh_between_polls(
     assert 27 <= delay <= 33
     assert not build_health(store.snapshot(), time.time() + 3 * BASE + 5).ok
 
-    fixed = Poller([source], store, interval=BASE, rng=random.Random(0), adaptive=False)
+    fixed = Poller([source], store, interval=BASE, rng=random.Random(0),
+                   traits=traits_of([source.name]), adaptive=False)
     emulator.set_release_in(2 * 3600)
     assert 27 <= fixed.poll_once(source) <= 33
 
@@ -179,7 +181,8 @@ def test_the_account_limit_throttles_as_the_service_does(emulator: Emulator) -> 
     emulator.set_release_in(3600)
     source = esi_source(emulator)
     store = Store([source.name], stale_after=3 * BASE)
-    poller = Poller([source], store, interval=BASE, rng=random.Random(0))
+    poller = Poller([source], store, interval=BASE, rng=random.Random(0),
+                    traits=traits_of([source.name]))
     poller.poll_once(source)  # DescribeInstances + DescribeScheduledInstances, unthrottled
     limit = emulator.set_account_limit(1.0, burst=2)
     assert limit is not None
@@ -199,7 +202,8 @@ def test_a_far_host_that_is_throttled_retries_at_its_planned_interval(
     emulator.set_release_in(2 * 3600)
     source = esi_source(emulator)
     store = Store([source.name], stale_after=3 * BASE)
-    poller = Poller([source], store, interval=BASE, rng=random.Random(0))
+    poller = Poller([source], store, interval=BASE, rng=random.Random(0),
+                    traits=traits_of([source.name]))
     poller.poll_once(source)
     emulator.inject_fault("throttle", count=7)
     delays = [poller.poll_once(source) for _ in range(7)]
@@ -207,7 +211,8 @@ def test_a_far_host_that_is_throttled_retries_at_its_planned_interval(
     # interval of a release two hours away (600 s).
     assert 3.2 <= delays[0] <= 4.8
     assert delays[4] >= 64 * 0.8 and max(delays) <= 600 * 1.2, delays
-    fixed = Poller([source], store, interval=BASE, rng=random.Random(0), adaptive=False)
+    fixed = Poller([source], store, interval=BASE, rng=random.Random(0),
+                   traits=traits_of([source.name]), adaptive=False)
     emulator.inject_fault("throttle", count=7)
     assert max(fixed.poll_once(source) for _ in range(7)) <= BASE * 1.2
 

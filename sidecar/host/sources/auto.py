@@ -16,13 +16,12 @@ from typing import Callable, Optional
 
 from sidecar.host.sources.base import Observation, Source, SourceAbsent
 
-__all__ = ["AUTO", "CANDIDATES", "PROBE_TIMEOUT_SECONDS", "REPROBE_SECONDS", "ProbedSource"]
+__all__ = ["AUTO", "PROBE_TIMEOUT_SECONDS", "REPROBE_SECONDS", "ProbedSource"]
 
 log = logging.getLogger("sidecar.host.sources.auto")
 
 AUTO = "auto"
-# Probed in parallel; each asks its own metadata service.
-CANDIDATES = ("volcengine-esi", "volcengine-events", "aws", "gcp", "azure")
+# The candidates are the sources whose spec has a probe (registry.auto_candidates).
 PROBE_TIMEOUT_SECONDS = 0.8
 REPROBE_SECONDS = 60.0
 
@@ -56,7 +55,7 @@ class ProbedSource:
         if self._source is None:
             reason = self._probe()
             if reason is not None:
-                raise SourceAbsent(reason)
+                raise SourceAbsent(reason, retry_after=REPROBE_SECONDS)
             self._source = self._build()
             log.info("source %s found: its service answers on this machine", self.name)
         return self._source.poll()

@@ -27,13 +27,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timezone
 from typing import Any, Callable, Optional
 
-import urllib3
-
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.metadata_http import clip, probe_failure, request
+from sidecar.host.sources.spec import (
+    Option,
+    SourceSpec,
+    SourceTraits,
+    parse_boolean,
+    parse_url,
+)
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     KIND_MAINTENANCE,
@@ -44,7 +50,7 @@ from sidecar.models import (
 )
 from sidecar.timeparse import TimestampError, parse_http_date, parse_timestamp
 
-__all__ = ["AwsSource", "from_settings", "probe"]
+__all__ = ["SPEC", "AwsConfig", "AwsSource", "build", "probe"]
 
 log = logging.getLogger("sidecar.host.sources.aws")
 
@@ -72,6 +78,7 @@ class AwsSource:
         read_timeout: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        import urllib3  # lazily: the settings table imports every source module
         self._url = url.rstrip("/")
         self._allow_imdsv1 = allow_imdsv1
         self._timeout = urllib3.Timeout(connect=connect_timeout, read=read_timeout)
@@ -202,17 +209,24 @@ def _maintenance_notices(events: Any) -> list[Notice]:
 
 
 
-def probe(settings: Any, timeout: float) -> Optional[str]:
+@dataclass(frozen=True)
+class AwsConfig:
+    aws_imds_url: str
+    aws_imdsv1: bool
+
+
+def probe(config: AwsConfig, timeout: float) -> Optional[str]:
     """None when an EC2 metadata service answers at the configured address (for
     ``--source auto``), else why not, in one line."""
-    url = settings.aws_imds_url.rstrip("/")
+    import urllib3  # lazily: the settings table imports every source module
+    url = config.aws_imds_url.rstrip("/")
     http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(total=timeout))
     try:
         response = http.request("PUT", url + "/latest/api/token", redirect=False,
                                 headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
         if response.status == 200 and response.data.strip():
             return None
-        if settings.aws_imdsv1 and response.status in (403, 404, 405):
+        if config.aws_imdsv1 and response.status in (403, 404, 405):
             response = http.request("GET", url + INSTANCE_ID_PATH, redirect=False)
             if response.status == 200 and response.data.strip():
                 return None
@@ -224,5 +238,19 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
 
 
 
-def from_settings(settings: Any) -> AwsSource:
-    return AwsSource(settings.aws_imds_url, allow_imdsv1=settings.aws_imdsv1)
+def build(config: AwsConfig) -> AwsSource:
+    return AwsSource(config.aws_imds_url, allow_imdsv1=config.aws_imdsv1)
+
+
+SPEC = SourceSpec(
+    name="aws", config=AwsConfig, build=build, probe=probe,
+    summary="EC2 spot notices and maintenance", aliases=("ec2", "aws-spot"),
+    traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
+    options=(
+        Option("aws_imds_url", parse_url, f"AWS instance metadata service for the aws source "
+               f"(default {DEFAULT_AWS_IMDS_URL})", "URL"),
+        Option("aws_imdsv1", parse_boolean, "let the aws source fall back to IMDSv1 (no session "
+               "token) when the token request is refused: true or false (default false)",
+               "BOOL"),
+    ),
+)

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
-import urllib3
-
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.metadata_http import clip, probe_failure, request
+from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_boolean, parse_url
 from sidecar.models import (
     DEFAULT_AZURE_METADATA_URL,
     KIND_MAINTENANCE,
@@ -53,7 +52,7 @@ from sidecar.models import (
 )
 from sidecar.timeparse import TimestampError, parse_http_date
 
-__all__ = ["AzureSource", "from_settings", "probe"]
+__all__ = ["SPEC", "AzureConfig", "AzureSource", "build", "probe"]
 
 log = logging.getLogger("sidecar.host.sources.azure")
 
@@ -124,6 +123,7 @@ class AzureSource:
         first_read_timeout: float = FIRST_READ_TIMEOUT_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        import urllib3  # lazily: the settings table imports every source module
         self._url = url.rstrip("/")
         #: The daemon approves events (StartRequests) only when this is set.
         self.approve_enabled = approve_enabled
@@ -305,11 +305,17 @@ def _error_of(body: str) -> str:
     return clip(error if isinstance(error, str) else body.strip() or "(empty body)")
 
 
+@dataclass(frozen=True)
+class AzureConfig:
+    azure_metadata_url: str
+    azure_approve: bool
 
-def probe(settings: Any, timeout: float) -> Optional[str]:
+
+def probe(config: AzureConfig, timeout: float) -> Optional[str]:
     """None when an Azure metadata service answers at the configured address (for
     ``--source auto``), else why not, in one line."""
-    url = settings.azure_metadata_url.rstrip("/")
+    import urllib3  # lazily: the settings table imports every source module
+    url = config.azure_metadata_url.rstrip("/")
     query = urlencode({"api-version": INSTANCE_API_VERSION, "format": "text"})
     http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(total=timeout))
     try:
@@ -324,6 +330,20 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
         http.clear()
 
 
+def build(config: AzureConfig) -> AzureSource:
+    return AzureSource(config.azure_metadata_url, approve_enabled=config.azure_approve)
 
-def from_settings(settings: Any) -> AzureSource:
-    return AzureSource(settings.azure_metadata_url, approve_enabled=settings.azure_approve)
+
+SPEC = SourceSpec(
+    name="azure", config=AzureConfig, build=build, probe=probe,
+    summary="Scheduled Events", aliases=("az",),
+    traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
+    options=(
+        Option("azure_metadata_url", parse_url, f"Azure Instance Metadata Service for the "
+               f"azure source (default {DEFAULT_AZURE_METADATA_URL})", "URL"),
+        Option("azure_approve", parse_boolean, "approve a pending Azure scheduled event "
+               "(StartRequests) once a checkpoint saved after it was announced is durable, "
+               "so the platform need not wait out the notice: true or false (default false)",
+               "BOOL"),
+    ),
+)

@@ -1,19 +1,21 @@
 """The Source protocol: poll once, return what was seen, or raise SourceError.
 
 A source never schedules, retries or sleeps: ``sidecar.host.poller`` owns the schedule,
-the backoff and the staleness. One module per source; ``sidecar.host.sources.registry``
-maps names to them.
+the backoff and the staleness. One module per source, which declares itself in a
+``SPEC`` (``sidecar.host.sources.spec``); ``sidecar.host.sources.registry`` maps names to
+them.
 """
 
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 from sidecar.models import Observation
 
-__all__ = ["Observation", "Source", "SourceAbsent", "SourceError", "where"]
+__all__ = ["Observation", "Source", "SourceAbsent", "SourceError", "SourceTraits", "where"]
 
 
 class SourceError(Exception):
@@ -30,7 +32,12 @@ class SourceError(Exception):
 
 class SourceAbsent(Exception):
     """This machine has no such service (``--source auto`` probed it): not an error. The
-    message says why, in one line; the source is left out of the deadline and of health."""
+    message says why, in one line; the source is left out of the deadline and of health.
+    ``retry_after``: when to ask again (None: the source's poll interval)."""
+
+    def __init__(self, message: str, *, retry_after: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def where(exc: BaseException) -> str:
@@ -49,3 +56,17 @@ class Source(Protocol):
     def poll(self) -> Observation:
         """Ask once. Return an Observation or raise SourceError; never sleep or retry."""
         ...
+
+
+@dataclass(frozen=True)
+class SourceTraits:
+    """How the poller treats a source; its module's spec says (sidecar.host.sources.spec)."""
+
+    # Polled this often whatever --poll-interval says (a notice minutes long); None:
+    # every --poll-interval.
+    poll_interval_seconds: Optional[float] = None
+    # A release known long ahead: polled on the adaptive schedule (sidecar.host.schedule).
+    adaptive: bool = False
+    # Calls the account's OpenAPI: counted against --max-api-rate and held to the least
+    # --poll-interval for the cloud's API.
+    api_budget: bool = False

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timezone, tzinfo
-from typing import Any, Optional
+from typing import Optional
 
 from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.spec import SourceSpec
 from sidecar.models import KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 
@@ -58,5 +60,13 @@ class EnvSource:
         return Observation(expires_at_unix=None)
 
 
-def from_settings(settings: Any) -> EnvSource:
-    return EnvSource(naive_timezone=settings.naive_timezone)
+@dataclass(frozen=True)
+class EnvConfig:
+    naive_timezone: Optional[tzinfo]  # --timezone
+
+
+def build(config: EnvConfig) -> EnvSource:
+    return EnvSource(naive_timezone=config.naive_timezone)
+
+
+SPEC = SourceSpec(name="env", config=EnvConfig, build=build)

@@ -54,12 +54,14 @@ import time
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
-import urllib3
+if TYPE_CHECKING:
+    import urllib3
 
 from sidecar.host.sources.base import Observation, SourceError, where
 from sidecar.host.sources.metadata_http import clip, probe_failure, request
+from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_url
 from sidecar.models import (
     DEFAULT_GCP_METADATA_URL,
     KIND_MAINTENANCE,
@@ -69,7 +71,7 @@ from sidecar.models import (
 )
 from sidecar.timeparse import TimestampError, parse_timestamp
 
-__all__ = ["GcpSource", "from_settings", "long_poll_seconds_for", "probe"]
+__all__ = ["SPEC", "GcpConfig", "GcpSource", "build", "long_poll_seconds_for", "probe"]
 
 log = logging.getLogger("sidecar.host.sources.gcp")
 
@@ -125,6 +127,7 @@ class GcpSource:
         gpu_vm: Optional[bool] = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        import urllib3  # lazily: the settings table imports every source module
         if isinstance(long_poll_seconds, bool) or not isinstance(long_poll_seconds, int) or (
             long_poll_seconds < 1
         ):
@@ -382,10 +385,17 @@ def long_poll_seconds_for(stale_after_seconds: float) -> int:
     return max(1, min(LONG_POLL_SECONDS, int(stale_after_seconds / 4)))
 
 
-def probe(settings: Any, timeout: float) -> Optional[str]:
+@dataclass(frozen=True)
+class GcpConfig:
+    gcp_metadata_url: str
+    effective_stale_after: float  # the long polls fit in it
+
+
+def probe(config: GcpConfig, timeout: float) -> Optional[str]:
     """None when a GCE metadata server answers at the configured address (for
     ``--source auto``): any answer with ``Metadata-Flavor: Google``; else why not."""
-    url = settings.gcp_metadata_url.rstrip("/")
+    import urllib3  # lazily: the settings table imports every source module
+    url = config.gcp_metadata_url.rstrip("/")
     http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(total=timeout))
     try:
         response = http.request("GET", url + PREFIX + ID_KEY, headers=FLAVOR, redirect=False)
@@ -399,7 +409,17 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
             "Metadata-Flavor: Google)")
 
 
+def build(config: GcpConfig) -> GcpSource:
+    return GcpSource(config.gcp_metadata_url,
+                     long_poll_seconds=long_poll_seconds_for(config.effective_stale_after))
 
-def from_settings(settings: Any) -> GcpSource:
-    return GcpSource(settings.gcp_metadata_url,
-                     long_poll_seconds=long_poll_seconds_for(settings.effective_stale_after))
+
+SPEC = SourceSpec(
+    name="gcp", config=GcpConfig, build=build, probe=probe,
+    summary="preemption, host maintenance", aliases=("gce", "google"),
+    traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
+    options=(
+        Option("gcp_metadata_url", parse_url, f"GCE metadata server for the gcp source "
+               f"(default {DEFAULT_GCP_METADATA_URL})", "URL"),
+    ),
+)

@@ -5,9 +5,10 @@ excerpts of what a service answered, and why a probe failed."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import urllib3
+if TYPE_CHECKING:
+    import urllib3
 
 from sidecar.host.sources.base import SourceError
 
@@ -18,6 +19,7 @@ def request(http: urllib3.PoolManager, method: str, url: str, *, place: str, clo
             timeout: urllib3.Timeout, **options: Any) -> Any:
     """``http.request`` without redirects, its failures as one line naming ``place``; a
     host that cannot reach the service is asked whether it runs on ``cloud`` at all."""
+    import urllib3  # lazily: the settings table imports every source module
     try:
         return http.request(method, url, timeout=timeout, preload_content=True,
                             redirect=False, **options)
@@ -41,6 +43,7 @@ def clip(value: Any, limit: int = 120) -> str:
 
 def probe_failure(exc: Exception, timeout: float) -> str:
     """Why a probe's request failed, in a few words."""
+    import urllib3  # lazily: the settings table imports every source module
     if isinstance(exc, urllib3.exceptions.NewConnectionError):
         return "cannot connect"
     if isinstance(exc, urllib3.exceptions.TimeoutError):

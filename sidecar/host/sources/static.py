@@ -8,10 +8,12 @@ the configuration) unless ``--timezone`` says which zone it is in, never guessed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timezone, tzinfo
-from typing import Any, Optional
+from typing import Optional
 
 from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.spec import Option, SourceSpec
 from sidecar.models import KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import TimestampError, parse_timestamp
 
@@ -39,5 +41,25 @@ class StaticSource:
         )
 
 
-def from_settings(settings: Any) -> StaticSource:
-    return StaticSource(settings.expires_at, naive_timezone=settings.naive_timezone)
+@dataclass(frozen=True)
+class StaticConfig:
+    expires_at: str  # the configuration refuses to start the static source without it
+    naive_timezone: Optional[tzinfo]  # --timezone
+
+
+def build(config: StaticConfig) -> StaticSource:
+    return StaticSource(config.expires_at, naive_timezone=config.naive_timezone)
+
+
+def _timestamp(text: str) -> str:
+    parse_timestamp(text)  # validate now, so a typo stops start-up rather than every poll
+    return text.strip()
+
+
+SPEC = SourceSpec(
+    name="static", config=StaticConfig, build=build,
+    options=(
+        Option("expires_at", _timestamp, "the deadline for the static source: RFC 3339 or "
+               "Unix seconds / milliseconds", "TIME"),
+    ),
+)

@@ -23,17 +23,17 @@ import logging
 import os
 import re
 import threading
-import urllib.error
-import urllib.request
+from dataclasses import dataclass
 from datetime import datetime, tzinfo
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from sidecar.host.sources.base import Observation, SourceError, where
+from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text, parse_url
 from sidecar.models import DEFAULT_METADATA_URL, KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, ParsedTime, TimestampError, parse_timestamp
 
-__all__ = ["VolcengineEsiSource", "build_options", "from_settings", "probe"]
+__all__ = ["SPEC", "VolcengineConfig", "VolcengineEsiSource", "build", "build_options", "probe"]
 
 logger = logging.getLogger("sidecar.host.sources.volcengine")
 
@@ -103,6 +103,7 @@ class VolcengineEsiSource:
         metadata_timeout: float = 2.0,
         metadata_attempts: int = 3,
     ) -> None:
+        import urllib.request  # lazily: the settings table imports every source module
         if api_endpoint is not None and urlsplit(api_endpoint).scheme not in ("http", "https"):
             raise ValueError(f"api_endpoint must be an http:// or https:// URL: {api_endpoint!r}")
         self._instance_id = instance_id or None
@@ -251,6 +252,8 @@ class VolcengineEsiSource:
 
     def _metadata(self, name: str) -> str:
         """GET ``{metadata_url}/latest/{name}``, a few tries within this poll."""
+        import urllib.error
+        import urllib.request  # lazily: the settings table imports every source module
         url = f"{self._metadata_url}/latest/{name}"
         problem = "no answer"
         for _ in range(self._metadata_attempts):
@@ -357,6 +360,7 @@ class VolcengineEsiSource:
         The SDK reads HTTP(S)_PROXY but not NO_PROXY, so on a host with a proxy in its
         environment it would send even 127.0.0.1 through that proxy.
         """
+        import urllib.request  # lazily: the settings table imports every source module
         parts = urlsplit(endpoint)
         host = parts.hostname or ""
         if _is_loopback(host):
@@ -461,32 +465,43 @@ def _connect_directly(client: Any) -> None:
     logger.info("not using the proxy from the environment for the loopback/NO_PROXY endpoint")
 
 
-def build_options(settings: Any) -> dict[str, Any]:
-    """The constructor's arguments from the daemon settings (``sidecar.host.settings``),
-    for this source and the volcengine-events one."""
+@dataclass(frozen=True)
+class VolcengineConfig:
+    """What this source and the volcengine-events one take from the daemon settings."""
+
+    instance_id: Optional[str]
+    scheduled_instance_id: Optional[str]
+    region: Optional[str]
+    api_endpoint: Optional[str]
+    metadata_url: str
+    naive_timezone: Optional[tzinfo]  # --timezone; None: the API's own zone
+
+
+def build_options(config: VolcengineConfig) -> dict[str, Any]:
+    """The constructor's arguments, for this source and the volcengine-events one."""
     return {
-        "instance_id": getattr(settings, "instance_id", None),
-        "scheduled_instance_id": getattr(settings, "scheduled_instance_id", None),
-        "region": getattr(settings, "region", None),
-        "api_endpoint": getattr(settings, "api_endpoint", None),
-        "metadata_url": getattr(settings, "metadata_url", None) or DEFAULT_METADATA_URL,
-        # None: not set (--timezone), so the API's own zone.
-        "naive_timezone": getattr(settings, "naive_timezone", None) or VOLCENGINE_TIMEZONE,
+        "instance_id": config.instance_id,
+        "scheduled_instance_id": config.scheduled_instance_id,
+        "region": config.region,
+        "api_endpoint": config.api_endpoint,
+        "metadata_url": config.metadata_url or DEFAULT_METADATA_URL,
+        "naive_timezone": config.naive_timezone or VOLCENGINE_TIMEZONE,
     }
 
 
-def from_settings(settings: Any) -> VolcengineEsiSource:
-    """Build the source from the daemon settings (see ``sidecar.host.settings``)."""
-    return VolcengineEsiSource(**build_options(settings))
+def build(config: VolcengineConfig) -> VolcengineEsiSource:
+    return VolcengineEsiSource(**build_options(config))
 
 
-def probe(settings: Any, timeout: float) -> Optional[str]:
+def probe(config: VolcengineConfig, timeout: float) -> Optional[str]:
     """None when the ECS metadata service answers with an instance id (for ``--source
     auto``), else why not, in one line. Skipped (None) when the settings name the
     instance and region: then no metadata is needed."""
-    if getattr(settings, "instance_id", None) and getattr(settings, "region", None):
+    import urllib.error
+    import urllib.request  # lazily: the settings table imports every source module
+    if config.instance_id and config.region:
         return None
-    url = f"{(settings.metadata_url or DEFAULT_METADATA_URL).rstrip('/')}/latest/instance_id"
+    url = f"{(config.metadata_url or DEFAULT_METADATA_URL).rstrip('/')}/latest/instance_id"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout) as response:
@@ -502,3 +517,24 @@ def probe(settings: Any, timeout: float) -> Optional[str]:
     if not _METADATA_VALUE.match(text):
         return f"no ECS metadata service at {url} (unexpected answer {text[:40]!r})"
     return None
+
+
+SPEC = SourceSpec(
+    name="volcengine-esi", config=VolcengineConfig, build=build, probe=probe,
+    summary="the ESI release", aliases=("volcengine", "esi"),
+    traits=SourceTraits(adaptive=True, api_budget=True),
+    # The volcengine-events source reads the same rows.
+    options=(
+        Option("instance_id", parse_text, "ECS instance id (default: ask the metadata "
+               "service)", "ID"),
+        Option("scheduled_instance_id", parse_text, "ESI scheduled instance id (default: look "
+               "it up with DescribeInstances)", "ID"),
+        Option("region", parse_text, "region, e.g. cn-beijing (default: ask the metadata "
+               "service)"),
+        Option("api_endpoint", parse_url, "ECS OpenAPI endpoint (default: the SDK's endpoint "
+               "for the region); a URL such as http://127.0.0.1:9000 points at the emulator",
+               "URL"),
+        Option("metadata_url", parse_url, f"ECS metadata service (default "
+               f"{DEFAULT_METADATA_URL})", "URL"),
+    ),
+)

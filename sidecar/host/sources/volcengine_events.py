@@ -38,7 +38,8 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 from sidecar.host.sources.base import Observation, SourceError
-from sidecar.host.sources.volcengine import VolcengineEsiSource, build_options
+from sidecar.host.sources.spec import SourceSpec, SourceTraits
+from sidecar.host.sources.volcengine import VolcengineConfig, VolcengineEsiSource, build_options
 from sidecar.host.sources.volcengine import probe as probe_metadata
 from sidecar.models import (
     KIND_MAINTENANCE,
@@ -49,7 +50,7 @@ from sidecar.models import (
 )
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 
-__all__ = ["VolcengineEventsSource", "event_notice", "from_settings", "probe"]
+__all__ = ["SPEC", "VolcengineEventsSource", "build", "event_notice", "probe"]
 
 log = logging.getLogger("sidecar.host.sources.volcengine_events")
 
@@ -187,10 +188,18 @@ def _field(event: Any, name: str) -> Any:
     return getattr(event, name, None)
 
 
-def probe(settings: Any, timeout: float) -> Optional[str]:
+def probe(config: VolcengineConfig, timeout: float) -> Optional[str]:
     """The ECS metadata service answers: the same test as the volcengine-esi source's."""
-    return probe_metadata(settings, timeout)
+    return probe_metadata(config, timeout)
 
 
-def from_settings(settings: Any) -> VolcengineEventsSource:
-    return VolcengineEventsSource(**build_options(settings))
+def build(config: VolcengineConfig) -> VolcengineEventsSource:
+    return VolcengineEventsSource(**build_options(config))
+
+
+# Its settings are the volcengine-esi source's rows; the cadence is --poll-interval.
+SPEC = SourceSpec(
+    name="volcengine-events", config=VolcengineConfig, build=build, probe=probe,
+    summary="ECS system events: spot and early reclaim, maintenance",
+    traits=SourceTraits(api_budget=True),
+)

@@ -10,15 +10,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
 from sidecar.host.settings import load_settings
 from sidecar.host.sources import azure
-from sidecar.host.sources.azure import AzureSource, from_settings, probe
+from sidecar.host.sources.azure import AzureSource
 from sidecar.host.sources.base import SourceError
+from sidecar.host.sources.registry import create_source, probe_source
 from sidecar.models import KIND_MAINTENANCE, KIND_PREEMPTION
 from sidecar.tools.emulator.aws import AwsImdsEmulator
 from sidecar.tools.emulator.azure import AzureImdsEmulator
@@ -27,6 +28,14 @@ from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
 EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+
+
+def probe(settings: Any, timeout: float) -> Optional[str]:
+    return probe_source("azure", settings, timeout)
+
+
+def from_settings(settings: Any) -> AzureSource:
+    return cast(AzureSource, create_source("azure", settings))
 
 
 @pytest.fixture

@@ -19,13 +19,18 @@ from daemon_harness import serve_daemon, wait_for
 
 from sidecar.host.settings import Settings, load_settings
 from sidecar.host.sources.base import SourceError
-from sidecar.host.sources.gcp import GcpSource, long_poll_seconds_for, probe
+from sidecar.host.sources.gcp import GcpSource, long_poll_seconds_for
+from sidecar.host.sources.registry import probe_source
 from sidecar.models import KIND_MAINTENANCE, KIND_PREEMPTION
 from sidecar.tools.emulator.aws import AwsImdsEmulator
 from sidecar.tools.emulator.gcp import GcpMetadataEmulator, etag_of
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
+
+
+def probe(settings: Any, timeout: float) -> Optional[str]:
+    return probe_source("gcp", settings, timeout)
 
 INSTANCE = "/computeMetadata/v1/instance/"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-import types
 from collections.abc import Iterator
 from datetime import datetime, timezone, tzinfo
 from typing import Any, Optional
@@ -17,7 +16,7 @@ import volcenginesdkecs
 
 from sidecar.host.sources.base import Source, SourceError
 from sidecar.host.sources.registry import create_source
-from sidecar.host.sources.volcengine import VolcengineEsiSource, from_settings
+from sidecar.host.sources.volcengine import VolcengineConfig, VolcengineEsiSource, build
 from sidecar.models import KIND_SCHEDULED_RELEASE
 from sidecar.tools.emulator import Emulator
 
@@ -48,7 +47,7 @@ def emu() -> Iterator[Emulator]:
         yield emulator
 
 
-def settings(emu: Emulator, **overrides: Any) -> types.SimpleNamespace:
+def settings(emu: Emulator, **overrides: Any) -> VolcengineConfig:
     values: dict[str, Any] = {
         "instance_id": emu.instance_id,
         "scheduled_instance_id": None,
@@ -58,11 +57,11 @@ def settings(emu: Emulator, **overrides: Any) -> types.SimpleNamespace:
         "naive_timezone": timezone.utc,
     }
     values.update(overrides)
-    return types.SimpleNamespace(**values)
+    return VolcengineConfig(**values)
 
 
 def source_for(emu: Emulator, **overrides: Any) -> VolcengineEsiSource:
-    return from_settings(settings(emu, **overrides))
+    return build(settings(emu, **overrides))
 
 
 def poll_error(source: VolcengineEsiSource) -> SourceError:

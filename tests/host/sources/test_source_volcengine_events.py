@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import types
 import urllib.request
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -16,11 +15,12 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.host.sources.base import SourceError
+from sidecar.host.sources.volcengine import VolcengineConfig
 from sidecar.host.sources.volcengine_events import (
     SPOT_NOTICE_SECONDS,
     VolcengineEventsSource,
+    build,
     event_notice,
-    from_settings,
 )
 from sidecar.models import KIND_MAINTENANCE, KIND_PREEMPTION, KIND_SCHEDULED_RELEASE
 from sidecar.tools.emulator import Emulator
@@ -54,7 +54,7 @@ def source_for(emu: Emulator, **overrides: Any) -> VolcengineEventsSource:
                               "region": None, "api_endpoint": emu.url,
                               "metadata_url": emu.url, "naive_timezone": timezone.utc}
     values.update(overrides)
-    return from_settings(types.SimpleNamespace(**values))
+    return build(VolcengineConfig(**values))
 
 
 def test_no_events_is_no_deadline_and_the_instance_comes_from_metadata(emu: Emulator) -> None:

@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 from daemon_harness import fetch_json, get_json, serve_daemon, wait_for
 
-from sidecar.host.sources.auto import CANDIDATES, REPROBE_SECONDS, ProbedSource
+from sidecar.host.sources.auto import REPROBE_SECONDS, ProbedSource
 from sidecar.host.sources.base import SourceAbsent
+from sidecar.host.sources.registry import auto_candidates
 from sidecar.models import KIND_PREEMPTION, KIND_SCHEDULED_RELEASE, Observation
 from sidecar.tools.emulator import Emulator
 from sidecar.tools.emulator.aws import AwsImdsEmulator
+
+CANDIDATES = auto_candidates()
 
 URL_SETTINGS = ("metadata_url", "aws_imds_url", "gcp_metadata_url", "azure_metadata_url")
 
