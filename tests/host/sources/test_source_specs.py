@@ -21,7 +21,7 @@ from sidecar.host.settings import OPTIONS, Settings
 from sidecar.host.sources import registry
 from sidecar.host.sources.auto import AUTO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_every_registry_entry_declares_a_consistent_spec() -> None:
