@@ -24,9 +24,10 @@ from sidecar.train.policy import PolicyDecision
 __all__ = [
     "MAX",
     "MIN",
-    "Op",
     "CollectiveVote",
+    "Op",
     "Reducer",
+    "SevenFloatReducer",
     "Verdict",
     "Vote",
     "VoteField",
