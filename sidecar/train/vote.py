@@ -27,6 +27,7 @@ __all__ = [
     "CollectiveVote",
     "Op",
     "Reducer",
+    "SevenFloatReducer",
     "Verdict",
     "Vote",
     "VoteField",
