@@ -21,7 +21,6 @@ from urllib.parse import urlsplit
 
 from sidecar.host.schedule import API_SOURCES as SCHEDULED_API_SOURCES
 from sidecar.host.schedule import DEFAULT_MAX_API_RATE
-from sidecar.host.upload.plan import NEAR_RELEASE_SECONDS as DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     DEFAULT_AZURE_METADATA_URL,
@@ -44,6 +43,7 @@ __all__ = [
 ENV_PREFIX = "ESI_SIDECAR_"
 DEFAULT_UPLOAD_CONCURRENCY = 8
 DEFAULT_UPLOAD_PART_SIZE = 64 << 20
+DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS = 600.0
 DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
 # The least --poll-interval against the cloud's API (issue 13): at the default 30 s a
 # source makes 120 calls per host-hour, at 5 s 720, and a 1,000-host fleet running both
