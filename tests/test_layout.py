@@ -275,7 +275,7 @@ UPLOAD_PLAN = "sidecar.host.upload.plan"
 def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
     """One estimate and one give-way rule (issue 21, item 4): the plan imports only the
     standard library (and the shared modules), and the simulator takes them from it,
-    reaching into the host side for nothing else."""
+    reaching into the host side for nothing else (the settings for the daemon's defaults)."""
     impure = [
         _where(i)
         for i in IMPORTS
@@ -284,7 +284,8 @@ def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
     ]
     simulator = [i for i in IMPORTS if _in(i.module, "sidecar.tools.simulate")]
     elsewhere = [_where(i) for i in simulator
-                 if _in(i.target, "sidecar.host") and i.target != UPLOAD_PLAN]
+                 if _in(i.target, "sidecar.host")
+                 and i.target not in (UPLOAD_PLAN, "sidecar.host.settings")]
     assert impure == [] and elsewhere == []
     assert "sidecar.tools.simulate.engine" in {i.module for i in simulator
                                                if i.target == UPLOAD_PLAN}

@@ -19,6 +19,6 @@ Modules, one job each:
 - ``restore``: the ``esi-sidecar restore`` command's work.
 
 This file imports nothing on purpose: the daemon imports the package only when upload is
-configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL and
-``plan`` for a default (the simulator imports ``plan`` alone, too).
+configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL (the
+simulator imports ``plan`` alone).
 """

@@ -3,8 +3,9 @@
 Pure (issue 21, item 4): plain numbers in, plain numbers out; no I/O, no clock, no settings,
 standard library only. The daemon's uploader (``status``, ``uploader``) and the simulator
 (``sidecar.tools.simulate.engine``) both decide with these functions, so the figures the
-simulator prints are the rule the daemon runs. ``sidecar.host.settings`` takes the default
-of ``--upload-near-release`` from here.
+simulator prints are the rule the daemon runs. How near is near is a setting
+(``--upload-near-release``, its default in ``sidecar.host.settings``), passed in: the
+settings module must not load this package when upload is off.
 
 Amounts and rates come in any one unit: the daemon counts bytes and bytes per second; the
 simulator counts seconds at rate 1 (an amount is then its own duration).
@@ -17,7 +18,6 @@ from typing import Optional
 
 __all__ = [
     "ESTIMATE_MARGIN",
-    "NEAR_RELEASE_SECONDS",
     "RATE_WINDOW",
     "SIZE_WINDOW",
     "gives_way",
@@ -34,9 +34,6 @@ __all__ = [
 SIZE_WINDOW = 3
 RATE_WINDOW = 5
 ESTIMATE_MARGIN = 1.2
-# The release is near within this many seconds (the default of --upload-near-release), or
-# within twice the next upload's estimate when that is longer.
-NEAR_RELEASE_SECONDS = 600.0
 
 
 def throughput(measured: Iterable[tuple[float, float]], cap: Optional[float]) -> Optional[float]:
@@ -73,7 +70,7 @@ def next_upload_seconds(sizes: Sequence[float], rate: Optional[float]) -> Option
 def near_release(remaining: Optional[float], near_release_seconds: float,
                  next_upload: Optional[float]) -> bool:
     """Whether the release is near: within ``near_release_seconds``, or within twice the
-    next upload's estimate (a large checkpoint on a slow link needs more than 600 s)."""
+    next upload's estimate (a large checkpoint on a slow link needs more than that)."""
     if remaining is None:
         return False
     return remaining < max(near_release_seconds, 2 * (next_upload or 0.0))

@@ -36,7 +36,10 @@ from typing import Any, Callable, Optional, Protocol
 
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
 from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
-from sidecar.host.settings import DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
+from sidecar.host.settings import (
+    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
+)
 from sidecar.host.upload import plan
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.status import UploadRecord, UploadTracker
@@ -88,7 +91,7 @@ class UploaderConfig:
     location: Optional[S3Location]  # None when the destination is given (a mounted volume)
     storage: StorageConfig = field(default_factory=StorageConfig)
     keep_local: Optional[int] = None  # prune durable checkpoints beyond the N newest
-    near_release_seconds: float = plan.NEAR_RELEASE_SECONDS
+    near_release_seconds: float = DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
     scan_interval_seconds: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     backoff_base_seconds: float = 1.0
     backoff_cap_seconds: float = 60.0

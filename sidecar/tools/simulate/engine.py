@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from sidecar.host.settings import DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.host.upload import plan
 from sidecar.tools.simulate.policies import (
     POLICIES,
@@ -183,7 +184,7 @@ def durable_times(
         deadline = known_deadline(now)
         remaining = None if deadline is None else deadline - now
         if plan.gives_way(
-            remaining, near_release_seconds=plan.NEAR_RELEASE_SECONDS,
+            remaining, near_release_seconds=DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
             next_upload=_estimate(done), current_left=running[2] - now,
             newer=plan.largest_recent(done[::-1]) or 0.0, rate=UPLOAD_RATE,
         ):
