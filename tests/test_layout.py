@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
-# The one framework each integration may import (lazily; checked by another test).
+# The one framework each integration may import (lazily, except in the callback modules).
 FRAMEWORKS = {
     "sidecar.integrations.distributed": {"torch"},
     "sidecar.integrations.dcp": {"torch"},
@@ -26,6 +26,12 @@ FRAMEWORKS = {
     "sidecar.integrations.verl": {"verl", "ray"},
     "sidecar.integrations.verl_trainer": {"verl", "ray"},
     "sidecar.integrations.ray_nodes": {"ray"},
+}
+# The callback modules: their classes derive from the framework's base class (so IDEs and
+# mypy see them), so these two alone import their framework at their top (issue 21, item 8).
+CALLBACK_MODULES = {
+    "sidecar.integrations.transformers": {"transformers"},
+    "sidecar.integrations.lightning": {"lightning", "pytorch_lightning"},
 }
 SHARED = ("sidecar.models", "sidecar.timeparse")
 HOST_SOURCE_NEEDS = ("sidecar.host.sources", *SHARED)
@@ -143,7 +149,24 @@ def test_integrations_import_the_training_side_and_their_framework_only() -> Non
             continue
         if top in FRAMEWORKS.get(found.module, set()) and not found.top_level:
             continue  # its own framework, imported lazily
+        if top in CALLBACK_MODULES.get(found.module, set()):
+            continue  # a callback module's own framework, its class's base
         broken.append(_where(found))
+    assert broken == []
+
+
+def test_the_base_install_never_imports_a_callback_module() -> None:
+    """``import sidecar`` and ``import sidecar.integrations`` stay standard library only."""
+    assert set(CALLBACK_MODULES) <= set(MODULES)
+    broken = [
+        _where(i)
+        for i in IMPORTS
+        if i.target in CALLBACK_MODULES
+        if i.module in ("sidecar", "sidecar.integrations")
+        or _in(i.module, "sidecar.train", "sidecar.checkpoint")
+        # Nor another integration at its top: it would then need that framework too.
+        or (i.top_level and i.module != i.target and _in(i.module, "sidecar.integrations"))
+    ]
     assert broken == []
 
 

@@ -2,9 +2,14 @@
 not wait out the whole notice (Azure Scheduled Events: ``StartRequests``).
 
 "Safe" means a checkpoint saved after the event was first seen is durable in storage:
-the uploader says so. Without an uploader nothing is approved (a local checkpoint dies
-with a preempted VM). Opt-in (``--azure-approve true``); the platform acts at its
-``NotBefore`` anyway, so a missed approval costs nothing but the wait.
+the uploader says so. Both times are the daemon's own observations: when the source first
+saw the event, and when the uploader's scans saw the checkpoint appear (it was not there
+at a scan after the event). Never the manifest's ``created_at``: the job writes it, with
+its own clock, and restore copies it verbatim (issue 22, item 5). A checkpoint already
+there when the daemon started counts as older than any event. Without an uploader nothing
+is approved (a local checkpoint dies with a preempted VM). Opt-in (``--azure-approve
+true``); the platform acts at its ``NotBefore`` anyway, so a missed approval costs nothing
+but the wait.
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ class Approvable(Protocol):
 
 class Approver:
     def __init__(self, sources: Callable[[], Sequence[Approvable]],
-                 durable_since: Optional[Callable[[], Optional[float]]]) -> None:
+                 durable_appeared_after: Optional[Callable[[], Optional[float]]]) -> None:
         """``sources``: the approvable sources running now (auto may find one later).
-        ``durable_since``: the save time of the newest durable checkpoint (None: none
-        yet); None when this daemon uploads nothing."""
+        ``durable_appeared_after``: a time on the daemon's clock after which the newest
+        durable checkpoint appeared (None: none durable yet, or it was there at start);
+        None when this daemon uploads nothing."""
         self._sources = sources
-        self._durable_since = durable_since
+        self._durable_appeared_after = durable_appeared_after
         self._said_no_uploader = False
 
     def check_once(self) -> list[str]:
@@ -51,15 +57,16 @@ class Approver:
             pending = source.pending()
             if not pending:
                 continue
-            if self._durable_since is None:
+            if self._durable_appeared_after is None:
                 if not self._said_no_uploader:
                     log.warning("%s: not approving %s: approval needs the uploader "
                                 "(--upload-to), a local checkpoint dies with the VM",
                                 source.name, ", ".join(event for event, _, _ in pending))
                     self._said_no_uploader = True
                 continue
-            saved = self._durable_since()
-            ready = [event for event, seen, _ in pending if saved is not None and saved >= seen]
+            appeared = self._durable_appeared_after()
+            ready = [event for event, seen, _ in pending
+                     if appeared is not None and appeared >= seen]
             if not ready:
                 continue
             try:

@@ -184,11 +184,12 @@ def _build_approver(sources: list[Source], uploader: Any) -> Approver:
                                  for s in sources]
         return [s for s in running if isinstance(s, Approvable) and s.approve_enabled]
 
-    def durable_since() -> Optional[float]:
+    def durable_appeared_after() -> Optional[float]:
+        # When the daemon saw it appear, not the manifest's created_at (issue 22, item 5).
         record = uploader.tracker.last_durable()
-        return None if record is None else float(record.created_at_unix)
+        return None if record is None else record.appeared_after_unix
 
-    return Approver(approvable, durable_since if uploader is not None else None)
+    return Approver(approvable, durable_appeared_after if uploader is not None else None)
 
 
 async def _approve(approver: Approver) -> None:

@@ -1,4 +1,4 @@
-"""Framework integrations for the training side; each imports its framework lazily.
+"""Framework integrations for the training side; each needs its framework only when imported.
 
 - :mod:`sidecar.integrations.distributed`: ``TorchReducer`` (the ``Reducer`` for
   ``torch.distributed``), ``reducer_if_distributed()`` and ``distributed_guard()``, so that
@@ -11,7 +11,10 @@
 
 Nothing here is imported by ``import sidecar``: this package must import in an image
 holding only the base install, and importing one integration never imports another
-framework (ARCHITECTURE.md, "Dependency direction"). See docs/integrations.md.
+framework (ARCHITECTURE.md, "Dependency direction"). The callback modules
+(``transformers``, ``lightning``) import their framework at their top, since their
+classes derive from its callback class; the others import theirs lazily. See
+docs/integrations.md.
 """
 
 from __future__ import annotations

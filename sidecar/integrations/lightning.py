@@ -27,14 +27,14 @@ file with the final name is complete, and :func:`latest_checkpoint` can trust na
 which is a copy when that folder is on another file system, and it does not fsync.)
 Remote paths (``s3://...``) and ``AsyncCheckpointIO`` are written directly, as before.
 
-Lightning is imported when ``EsiCheckpointCallback`` is first looked up (``lightning``,
-else the older ``pytorch_lightning`` package), not when this module is imported.
+This module imports Lightning (``lightning``, else the older ``pytorch_lightning``
+package): the class derives from its ``Callback``, so that IDEs and type checkers see it.
+``import sidecar`` and ``import sidecar.integrations`` do not import it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import re
 import shutil
@@ -48,19 +48,41 @@ from sidecar.integrations.distributed import callback_guard, check_callback_guar
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback
+else:
+    # One package or the other, never both: both may be installed, with distinct
+    # Callback classes, and the Trainer only accepts its own package's.
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as exc:
+            raise ImportError(
+                f"{__name__} needs lightning (pip install lightning)"
+            ) from exc
+
 __all__ = ["DEFAULT_FILENAME", "EsiCheckpointCallback", "checkpoint_step", "latest_checkpoint"]
 
 DEFAULT_FILENAME = "esi-epoch={epoch}-step={step}.ckpt"
 PARTIAL_MARK = ".tmp-"  # "<name>.tmp-<pid>": a save in progress, or cut short
 
-if TYPE_CHECKING:
-    EsiCheckpointCallback: Any
-
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class _EsiLightningLogic:
-    """The callback's behaviour, free of Lightning so that the class can be built lazily."""
+class EsiCheckpointCallback(Callback):
+    """Lightning ``Callback`` that saves once before the release and then stops.
+
+    ``EsiCheckpointCallback(dirpath=None, guard=None, stop_after_save=True, *,
+    policy=None, filename="esi-epoch={epoch}-step={step}.ckpt", **guard_options)``.
+    Without ``guard``, ``distributed_guard(policy=policy, **guard_options)`` is built
+    in ``on_train_start``, once the strategy has set up torch.distributed (guard
+    options: ``refresh_seconds``, ``client``, ``daemon_retry_seconds``, ``clock``,
+    ``environ``, ``reducer``, ``group``). ``guard`` with ``policy`` or guard options
+    is a ValueError. ``last_checkpoint_path``, ``saves`` and ``stopped`` say what it
+    did; :func:`latest_checkpoint` finds the newest save on the next start.
+    """
 
     def __init__(
         self,
@@ -266,46 +288,3 @@ def latest_checkpoint(dirpath: PathLike, filename: str = DEFAULT_FILENAME) -> Op
             newest = key
     return None if newest is None else Path(newest[2])
 
-
-# -- the Lightning class, built on first use ------------------------------------------------
-
-
-def _lightning_callback_base() -> type:
-    # importlib, not two import statements: both packages may be installed, with
-    # distinct Callback classes, and the Trainer only accepts its own package's.
-    for package in ("lightning.pytorch", "pytorch_lightning"):
-        try:
-            module = importlib.import_module(package)
-        except ImportError:
-            continue
-        base: type = module.Callback
-        return base
-    raise ImportError("EsiCheckpointCallback needs lightning (pip install lightning)")
-
-
-@functools.cache
-def _callback_class() -> type:
-    base = _lightning_callback_base()
-
-    class EsiCheckpointCallback(_EsiLightningLogic, base):  # type: ignore[misc,valid-type]
-        """Lightning ``Callback`` that saves once before the release and then stops.
-
-        ``EsiCheckpointCallback(dirpath=None, guard=None, stop_after_save=True, *,
-        policy=None, filename="esi-epoch={epoch}-step={step}.ckpt", **guard_options)``.
-        Without ``guard``, ``distributed_guard(policy=policy, **guard_options)`` is built
-        in ``on_train_start``, once the strategy has set up torch.distributed (guard
-        options: ``refresh_seconds``, ``client``, ``daemon_retry_seconds``, ``clock``,
-        ``environ``, ``reducer``, ``group``). ``guard`` with ``policy`` or guard options
-        is a ValueError. ``last_checkpoint_path``, ``saves`` and ``stopped`` say what it
-        did; :func:`latest_checkpoint` finds the newest save on the next start.
-        """
-
-    EsiCheckpointCallback.__module__ = __name__
-    EsiCheckpointCallback.__qualname__ = "EsiCheckpointCallback"
-    return EsiCheckpointCallback
-
-
-def __getattr__(name: str) -> Any:
-    if name == "EsiCheckpointCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

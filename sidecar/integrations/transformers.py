@@ -32,19 +32,20 @@ job killed mid-save would resume from a half-written folder. :func:`latest_compl
 returns the newest folder whose ``trainer_state.json`` (the file ``_save_checkpoint`` writes
 last, after model, optimizer, scheduler and RNG state) exists, parses and names that step.
 
-transformers is imported when ``EsiCheckpointCallback`` is first looked up (the class
-derives from ``TrainerCallback``), not when this module is imported.
+This module imports transformers (the class derives from ``TrainerCallback``, so that
+IDEs and type checkers see it); ``import sidecar`` and ``import sidecar.integrations`` do not.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
+
+from transformers import TrainerCallback
 
 from sidecar.checkpoint.durable import replace_atomically
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
@@ -90,12 +91,17 @@ def latest_complete_checkpoint(output_dir: Any) -> Optional[str]:
         log.warning("skipping %s: %s (an interrupted save?)", folder, reason)
     return None
 
-if TYPE_CHECKING:
-    EsiCheckpointCallback: Any
 
+class EsiCheckpointCallback(TrainerCallback):
+    """``TrainerCallback`` that saves once before the release and then stops.
 
-class _EsiCallbackLogic:
-    """The callback's behaviour, free of transformers so that the class can be built lazily."""
+    ``EsiCheckpointCallback(guard=None, stop_after_save=True, *, policy=None,
+    **guard_options)``: without ``guard``, ``distributed_guard(policy=policy,
+    **guard_options)`` is built at the start of training (guard options:
+    ``refresh_seconds``, ``client``, ``daemon_retry_seconds``, ``clock``, ``environ``,
+    ``reducer``, ``group``). ``guard`` with ``policy`` or guard options is a
+    ValueError. ``saves_requested``, ``saves_recorded`` and ``stopped`` say what it did.
+    """
 
     def __init__(
         self,
@@ -196,28 +202,3 @@ class _EsiCallbackLogic:
             control.should_training_stop = True
             self.stopped = True
 
-
-@functools.cache
-def _callback_class() -> type:
-    from transformers import TrainerCallback
-
-    class EsiCheckpointCallback(_EsiCallbackLogic, TrainerCallback):
-        """``TrainerCallback`` that saves once before the release and then stops.
-
-        ``EsiCheckpointCallback(guard=None, stop_after_save=True, *, policy=None,
-        **guard_options)``: without ``guard``, ``distributed_guard(policy=policy,
-        **guard_options)`` is built at the start of training (guard options:
-        ``refresh_seconds``, ``client``, ``daemon_retry_seconds``, ``clock``, ``environ``,
-        ``reducer``, ``group``). ``guard`` with ``policy`` or guard options is a
-        ValueError. ``saves_requested``, ``saves_recorded`` and ``stopped`` say what it did.
-        """
-
-    EsiCheckpointCallback.__module__ = __name__
-    EsiCheckpointCallback.__qualname__ = "EsiCheckpointCallback"
-    return EsiCheckpointCallback
-
-
-def __getattr__(name: str) -> Any:
-    if name == "EsiCheckpointCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,7 @@ never without an uploader. The real daemon, the Azure IMDS fake, a volume as sto
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -13,13 +14,33 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint
+from sidecar.checkpoint.manifest import MANIFEST_NAME
+from sidecar.timeparse import format_rfc3339
 from sidecar.tools.emulator.azure import AzureImdsEmulator
 from sidecar.train.client import SidecarClient
+
+AN_HOUR_AHEAD = 3600.0
 
 
 def save(root: Path, step: int) -> None:
     with atomic_checkpoint(root, step) as folder:
         (folder / "model.pt").write_bytes(os.urandom(64 * 1024))
+
+
+def save_dated_ahead(root: Path, step: int) -> None:
+    """A checkpoint whose manifest says it was made an hour from now (a writer whose
+    clock runs ahead), appearing in ``root`` at once, as a commit's rename does."""
+    staging = root.parent / "staging"
+    staging.mkdir(exist_ok=True)
+    saving = atomic_checkpoint(staging, step)
+    with saving as folder:
+        (folder / "model.pt").write_bytes(os.urandom(64 * 1024))
+    committed = staging / saving.name
+    manifest = committed / MANIFEST_NAME
+    body = json.loads(manifest.read_text(encoding="utf-8"))
+    body["created_at"] = format_rfc3339(time.time() + AN_HOUR_AHEAD)
+    manifest.write_text(json.dumps(body), encoding="utf-8")
+    os.rename(committed, root / saving.name)
 
 
 def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
@@ -43,6 +64,50 @@ def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
         # Approved: Azure starts the event; its deadline is now (first seen started).
         wait_for(lambda: (get_json(daemon.url + "/v1/expiry")[1]["remaining_seconds"] or 99)
                  < 5, timeout=10)
+
+
+def test_a_checkpoint_dated_ahead_but_saved_before_the_event_is_not_enough(
+        tmp_path: Path) -> None:
+    """Issue 22, item 5: approval reads what the daemon saw, not the manifest's time."""
+    local, volume = tmp_path / "local", tmp_path / "volume"
+    local.mkdir()
+    volume.mkdir()
+    with AzureImdsEmulator() as azure, serve_daemon(
+            sources=("azure",), azure_metadata_url=azure.url, azure_approve=True,
+            upload_from=local, upload_to=volume.as_uri(), upload_scan_interval=0.2) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        save_dated_ahead(local, 1)  # seen appearing by this daemon, before the event
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+        event = azure.schedule("Preempt", 60)
+        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
+        time.sleep(2.5)  # two approver rounds: a time written by the job is not enough
+        assert azure.approved == []
+        save(local, 2)  # appears after the event, becomes durable: now it is safe
+        wait_for(lambda: azure.approved == [event], timeout=30)
+        assert client.last_durable_step() == 2
+
+
+def test_after_a_restart_the_checkpoints_already_there_are_older_than_any_event(
+        tmp_path: Path) -> None:
+    local, volume = tmp_path / "local", tmp_path / "volume"
+    local.mkdir()
+    volume.mkdir()
+    settings = dict(sources=("azure",), azure_approve=True, upload_from=local,
+                    upload_to=volume.as_uri(), upload_scan_interval=0.2)
+    with AzureImdsEmulator() as azure:
+        with serve_daemon(azure_metadata_url=azure.url, **settings) as daemon:
+            save_dated_ahead(local, 1)
+            wait_for(lambda: SidecarClient(daemon.url).last_durable_step() == 1, timeout=30)
+        with serve_daemon(azure_metadata_url=azure.url, **settings) as daemon:
+            client = SidecarClient(daemon.url, timeout=5)
+            wait_for(lambda: client.last_durable_step() == 1, timeout=30)  # found in storage
+            event = azure.schedule("Preempt", 60)
+            wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"]
+                     == "preemption-notice")
+            time.sleep(2.5)  # two approver rounds
+            assert azure.approved == []
+            save(local, 2)
+            wait_for(lambda: azure.approved == [event], timeout=30)
 
 
 def test_without_an_uploader_nothing_is_approved_and_it_is_said_once(

@@ -8,6 +8,7 @@ taken per optimizer step, not per batch, so the answer is the same step.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -23,7 +24,6 @@ from daemon_harness import serve_daemon, wait_for
 from rank_launcher import base_environment, free_port, run_framework_ranks, run_ranks
 
 import sidecar.integrations.distributed as distributed
-from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
@@ -33,6 +33,8 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
 import torch
+
+from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
 
 pytestmark = pytest.mark.frameworks
 
@@ -243,10 +245,13 @@ def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float
     assert seen == [EXPECTED_SAVE_STEP]
 
 
-def test_callback_class_is_built_lazily() -> None:
+def test_the_callback_is_an_ordinary_class_of_the_module() -> None:
+    """Defined at the module's top (what IDEs and mypy read), not built by a ``__getattr__``."""
     import sidecar.integrations.lightning as module
 
     cls = module.EsiCheckpointCallback
+    assert inspect.isclass(cls) and vars(module)["EsiCheckpointCallback"] is cls
+    assert not hasattr(module, "__getattr__")
     assert issubclass(cls, pl.Callback)
     assert cls is module.EsiCheckpointCallback
     default = cls()

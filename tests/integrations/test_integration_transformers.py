@@ -8,6 +8,7 @@ The Trainer's own saving is off (save_strategy="no"), so checkpoint-9 can only b
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import time
@@ -233,10 +234,13 @@ def test_resume_from_our_checkpoint(tmp_path: Path, daemon_url: tuple[str, float
     assert fresh.restored_from == str(resumed_from / GUARD_STATE_FILE)
 
 
-def test_importing_the_module_does_not_import_transformers_classes() -> None:
+def test_the_callback_is_an_ordinary_class_of_the_module() -> None:
+    """Defined at the module's top (what IDEs and mypy read), not built by a ``__getattr__``."""
     import sidecar.integrations.transformers as module
 
     cls = module.EsiCheckpointCallback
+    assert inspect.isclass(cls) and vars(module)["EsiCheckpointCallback"] is cls
+    assert not hasattr(module, "__getattr__")
     assert issubclass(cls, transformers.TrainerCallback)
     assert cls is module.EsiCheckpointCallback  # built once
     assert cls.__module__ == "sidecar.integrations.transformers"

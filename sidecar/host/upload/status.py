@@ -52,6 +52,10 @@ class UploadRecord:
     error: Optional[str] = None
     note: Optional[str] = None
     retry_at_unix: Optional[float] = None
+    # The daemon's clock at the last scan that did not find this checkpoint, so it became
+    # complete later; None when the first scan found it. Azure approval reads this, never
+    # created_at_unix, which the job writes (issue 22, item 5).
+    appeared_after_unix: Optional[float] = None
 
     def newer_than(self, other: UploadRecord) -> bool:
         return (self.step, self.created_at_unix) > (other.step, other.created_at_unix)

@@ -136,6 +136,7 @@ class Uploader:
         self._prepared = False
         self._storage_retry_at = 0.0
         self._last_scan = 0.0  # time.monotonic() of the last scan
+        self._last_scan_at: Optional[float] = None  # the same on self._clock, once done
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,6 +226,7 @@ class Uploader:
 
     def _scan(self) -> None:
         self._last_scan = time.monotonic()
+        scan_at = self._clock()  # before the listing: what it misses appeared after this
         local = self._local()
         seen = set()
         for info in local:
@@ -242,12 +244,14 @@ class Uploader:
             self.tracker.put(UploadRecord(
                 name=info.name, step=info.step, created_at_unix=info.created_at.timestamp(),
                 digest=digest, bytes_total=info.total_bytes, file_count=len(info.files),
+                appeared_after_unix=self._last_scan_at,
             ))
         for record in self.tracker.records():
             if record.name not in seen and record.state in ("pending", "failed"):
                 # Deleted (pruned by the trainer, say) before its turn: nothing to upload.
                 self.tracker.update(record.name, state="skipped", retry_at_unix=None,
                                     note=_GONE)
+        self._last_scan_at = scan_at
         self._skip_superseded()
 
     def _skip_superseded(self) -> None:
