@@ -359,8 +359,8 @@ class CheckpointGuard:
         decision, deadline = self._agree()
         self._last_save_decision = decision
         if decision.save_now:
-            logger.info("%s now: %s", "top-up checkpoint" if decision.top_up else "checkpoint",
-                        decision.reason)
+            logger.log(logging.WARNING if decision.best_effort else logging.INFO, "%s now: %s",
+                       "top-up checkpoint" if decision.top_up else "checkpoint", decision.reason)
         elif decision.too_late and self._said_too_late != deadline:
             self._said_too_late = deadline  # once per deadline
             logger.warning("no checkpoint for this release: %s", decision.reason)

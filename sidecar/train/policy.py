@@ -118,6 +118,9 @@ class PolicyDecision:
     # Inside the window, but a save (and its upload) would not end before the release:
     # none is started (SavePolicy.try_late_saves).
     too_late: bool = False
+    # The deadline already passed with no save made for it: this save is a best effort
+    # on borrowed time (it may be cut; the previous checkpoint stays valid).
+    best_effort: bool = False
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -199,6 +202,8 @@ class SavePolicy:
       its upload) is expected to take (default False: such a save would be cut by the
       release, and keep a job that got SIGTERM from leaving cleanly; training goes on
       instead, in case the deadline moves). A short notice (30 s) is the usual case.
+      Once the deadline has passed with no save made for it, the machine runs on
+      borrowed time: one best-effort save is always asked, then stop.
 
     Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
     so failing at construction is better than a wrong decision hours later.
@@ -452,7 +457,7 @@ class SavePolicy:
         budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
         def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False,
-                     too_late: bool = False) -> PolicyDecision:
+                     too_late: bool = False, best_effort: bool = False) -> PolicyDecision:
             return PolicyDecision(
                 save_now=save_now,
                 stop=stop,
@@ -464,6 +469,7 @@ class SavePolicy:
                 upload_seconds=upload_seconds,
                 top_up=top_up,
                 too_late=too_late,
+                best_effort=best_effort,
             )
 
         if remaining_seconds is None:
@@ -478,7 +484,17 @@ class SavePolicy:
                 remaining_seconds, typical, save_seconds, upload_seconds, after, decision
             )
         if remaining_seconds <= 0:
-            return decision(False, False, "deadline passed")
+            # The machine still runs past its announced end (a notice learned late, a
+            # clock step, a release running behind) and nothing was saved for it: every
+            # step trained from here is lost with the machine, and a save cut by the
+            # release costs nothing (the atomic commit keeps the previous checkpoint). So
+            # one best-effort save, then the saves cover the deadline and the rule says
+            # stop (issue 22, item 2; docs/checkpoints.md).
+            return decision(
+                True, False,
+                f"deadline passed {-remaining_seconds:.1f} s ago with no save made for it: "
+                "best-effort save now", best_effort=True,
+            )
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
         if seed_rule(remaining_seconds, step_seconds, durable_save, self.redundant_seconds)[0]:

@@ -71,11 +71,40 @@ def test_unknown_deadline_never_saves() -> None:
     assert decision.reason == "no deadline known"
 
 
-@pytest.mark.parametrize("remaining", [0.0, -0.001, -3600.0])
-def test_passed_deadline_never_saves(remaining: float) -> None:
-    decision = policy_with_step().evaluate(NOW, NOW + remaining)
-    assert not decision.save_now
-    assert decision.reason == "deadline passed"
+@pytest.mark.parametrize("remaining", [0.0, -0.001, -1.0, -2.0, -100.0, -3600.0])
+@pytest.mark.parametrize("try_late_saves", [False, True])
+def test_a_passed_deadline_with_no_save_gets_one_best_effort_save_then_stop(
+    remaining: float, try_late_saves: bool
+) -> None:
+    # Issue 22, item 2: "deadline passed" used to mean no save and no stop, and the loop
+    # trained on unprotected until the machine died.
+    policy = SavePolicy(try_late_saves=try_late_saves)
+    policy.record_step(10.0)
+    decision = policy.evaluate(NOW, NOW + remaining)
+    assert decision.save_now and decision.best_effort and not decision.stop
+    assert not decision.top_up and not decision.too_late
+    assert "best-effort save now" in decision.reason
+    policy.record_save(5.0, started_unix=NOW, deadline_unix=NOW + remaining,
+                       budget_seconds=decision.budget_seconds)
+    after = policy.evaluate(NOW + 5.0, NOW + remaining)
+    assert not after.save_now and after.stop
+
+
+def test_a_deadline_that_jumps_into_the_past_gets_a_save_and_a_stop() -> None:
+    policy = policy_with_step()
+    assert not policy.evaluate(NOW, NOW + 4000.0).save_now  # far: nothing to do
+    jumped = policy.evaluate(NOW + 1.0, NOW - 1.0)  # learned late: 2 s in the past
+    assert jumped.save_now and jumped.best_effort
+
+
+def test_a_passed_deadline_already_saved_for_stops_without_another_save() -> None:
+    policy = policy_with_step()
+    final = policy.evaluate(NOW, NOW + 150.0)
+    assert final.save_now and not final.best_effort
+    policy.record_save(5.0, started_unix=NOW, deadline_unix=NOW + 150.0,
+                       budget_seconds=final.budget_seconds)
+    passed = policy.evaluate(NOW + 151.0, NOW + 150.0)
+    assert not passed.save_now and passed.stop
 
 
 # ---------------------------------------------------------------- step estimate

@@ -146,3 +146,27 @@ def test_a_sleep_that_raises_is_the_callers(emulator: Emulator) -> None:
         loop.thread.start()
         loop.thread.join(15)
     assert isinstance(loop.error, KeyboardInterrupt) and len(calls) == 1
+
+
+@pytest.mark.parametrize("passed_seconds", [2, 100])
+def test_a_release_that_jumps_into_the_past_gets_a_best_effort_save_and_a_stop(
+    emulator: Emulator, passed_seconds: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 22, item 2: a deadline learned only once it had passed (40 s away, then 2 s
+    or 100 s in the past) used to give no save and no stop: the loop trained on
+    unprotected until the machine died."""
+    caplog.set_level(logging.INFO, logger="sidecar.train.guard")
+    emulator.set_release_in(40)
+    with guarded(emulator) as guard:
+        loop = Loop(guard)
+        loop.thread.start()
+        wait_for(lambda: len(loop.steps) >= 3 or loop.error, timeout=15)
+        assert not loop.saves  # 40 s away: outside the window
+        emulator.set_release_in(-passed_seconds)
+        loop.thread.join(15)
+    assert loop.error is None and not loop.thread.is_alive()
+    assert len(loop.saves) == 1  # one best-effort save, then the stop
+    assert loop.steps[-1][0] == loop.saves[0][0]  # nothing trained after it
+    assert guard.released is True
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("best-effort save now" in line for line in warnings)
