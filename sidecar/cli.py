@@ -609,7 +609,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warn_if_not_ours() -> None:
+    """One stderr line when `import sidecar` found another distribution's __init__.py (the
+    JupyterLab widget's): then ours never ran its own check (issue 26)."""
+    import sidecar
+
+    if hasattr(sidecar, "CheckpointGuard") or not getattr(sidecar, "__file__", None):
+        return
+    from sidecar.train.importname import describe_clash
+
+    message = describe_clash(Path(sidecar.__file__).parent, thorough=True)
+    print(f"esi-sidecar: warning: {message or '`import sidecar` is not esi-sidecar'}",
+          file=sys.stderr)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _warn_if_not_ours()
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
