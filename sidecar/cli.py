@@ -304,10 +304,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"esi-sidecar serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from sidecar.host.journal import configure_logging  # standard library only
+
+    configure_logging(settings.log_level)  # <N> priorities under systemd's journal (issue 26)
     from sidecar.host.logscrub import install as scrub_credentials  # standard library only
 
     scrub_credentials()  # no credentials in the log, whatever the level (issue 13)
