@@ -12,6 +12,9 @@
 # image is for hosts that run everything in containers, and for Kubernetes
 # (deploy/kubernetes/daemonset.yaml).
 ARG PYTHON_IMAGE=python:3.11-slim
+# The image's version label: sidecar/__init__.py's __version__, which the build installs
+# (tests/e2e/test_release.py fails when this default, or a tag above, names another).
+ARG VERSION=0.1.0
 # Set (e.g. UPLOAD=1): also the [upload] extra (boto3, watchdog) for the checkpoint uploader.
 ARG UPLOAD=
 
@@ -31,7 +34,9 @@ RUN ./install.sh --venv-only --prefix /opt/esi-sidecar ${UPLOAD:+--upload}
 # ---- final: the venv on the same Python base, a non-root user, nothing else ----------
 # (The venv's bin/python links to the base image's python3: both stages share the base.)
 FROM ${PYTHON_IMAGE}
+ARG VERSION
 LABEL org.opencontainers.image.title="esi-sidecar" \
+      org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.description="Serves the time left before this Volcengine ESI machine is released" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=builder /opt/esi-sidecar /opt/esi-sidecar

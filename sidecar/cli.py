@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +28,9 @@ EXIT_SAVE_NOW = 0
 EXIT_NOT_YET = 1
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
+# stdout's reader closed it early (`| head -1`): the code a shell reports for a tool that
+# SIGPIPE killed, so `set -o pipefail` scripts see the output was cut (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
 
 ENV_EXPORT_NAME = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 
@@ -304,10 +308,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"esi-sidecar serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from sidecar.host.journal import configure_logging  # standard library only
+
+    configure_logging(settings.log_level)  # <N> priorities under systemd's journal (issue 26)
     from sidecar.host.logscrub import install as scrub_credentials  # standard library only
 
     scrub_credentials()  # no credentials in the log, whatever the level (issue 13)
@@ -480,6 +483,30 @@ def _timeout(text: str) -> float:
     return value
 
 
+# The table's help lines speak of the upload; restore reads the same settings the other
+# way round, so it says what each flag means to it (the [env ...] part is the table's).
+_RESTORE_HELP = {
+    "upload_to": "where to fetch the checkpoint from: s3://BUCKET/PREFIX on S3 or "
+    "Volcengine TOS, or file:///PATH on a mounted network volume; the --upload-to the "
+    "daemon uploaded to",
+    "upload_from": "local checkpoint folder to restore into: the root the training job "
+    "resumes from with latest_valid()",
+    "upload_region": "signing region (default: from a TOS endpoint's name, else boto3's "
+    "chain, else us-east-1)",
+    "upload_concurrency": "parts and files downloaded at once (default {default})",
+}
+
+
+def _say_what_restore_does(restore: argparse.ArgumentParser) -> None:
+    from sidecar.host.settings import DEFAULT_UPLOAD_CONCURRENCY  # standard library only
+
+    for action in restore._actions:
+        if action.dest in _RESTORE_HELP:
+            variable = (action.help or "").rpartition(" [env ")[2]
+            text = _RESTORE_HELP[action.dest].format(default=DEFAULT_UPLOAD_CONCURRENCY)
+            action.help = text + (f" [env {variable}" if variable else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     # The settings table (standard library only) defines serve's and restore's flags.
     from sidecar.host.settings import RESTORE_FLAGS, add_arguments
@@ -488,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="esi-sidecar",
         description="Know when this reclaimable GPU machine will be released, and save the "
         "training checkpoint in time.",
-        epilog="Quick look: esi-sidecar status    Docs: README.md and docs/",
+        epilog="Quick look: esi-sidecar status    Docs: README.md and docs/    Any command "
+        "whose output pipe closes early (| head -1) stops quietly with exit 141.",
     )
     parser.add_argument("--version", action="version", version=f"esi-sidecar {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -594,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --from, --to, --endpoint, --region, --concurrency, --addressing-style: the daemon's
     # upload settings, from the one table (with their ESI_SIDECAR_UPLOAD_* variables).
     add_arguments(restore, flags=RESTORE_FLAGS)
+    _say_what_restore_does(restore)
     restore.add_argument("--step", type=int, metavar="N",
                          help="this step instead of the newest")
     restore.add_argument("--no-verify", action="store_true",
@@ -609,7 +638,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warn_if_not_ours() -> None:
+    """One stderr line when `import sidecar` found another distribution's __init__.py (the
+    JupyterLab widget's): then ours never ran its own check (issue 26)."""
+    import sidecar
+
+    if hasattr(sidecar, "CheckpointGuard") or not getattr(sidecar, "__file__", None):
+        return
+    from sidecar.train.importname import describe_clash
+
+    message = describe_clash(Path(sidecar.__file__).parent, thorough=True)
+    print(f"esi-sidecar: warning: {message or '`import sidecar` is not esi-sidecar'}",
+          file=sys.stderr)
+
+
+def _output_closed() -> int:
+    """The reader of stdout went away (``esi-sidecar status | head -1``): end quietly, as
+    a tool killed by SIGPIPE does. stdout now points at /dev/null, so the interpreter's
+    flush at exit finds nothing to complain about (the recipe in Python's signal docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # pragma: no cover - stdout without a descriptor
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _warn_if_not_ours()
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here (--help's exit too), not at exit
+    except BrokenPipeError:
+        return _output_closed()
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

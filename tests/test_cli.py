@@ -242,3 +242,47 @@ def test_status_watch_keeps_trying_a_dead_daemon() -> None:
     assert result.returncode == 0
     assert result.stdout.count("daemon unreachable") == 2
     assert "(still trying)" in result.stdout
+
+
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command with stdout a pipe whose reader is already gone: the extreme of
+    `| head -1`, which closes after a line, so every write fails (EPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+
+
+def test_a_reader_that_closes_early_ends_every_command_quietly_with_141() -> None:
+    with serve_daemon(sources=("static",), expires_at=format_rfc3339(time.time() + 600)) as d:
+        wait_for(lambda: d.store.health().ok)
+        for args in (("status", "--url", d.url), ("status", "--json", "--url", d.url),
+                     ("check", "--step-seconds", "1", "--url", d.url),
+                     ("env", "--url", d.url), ("simulate", "--list")):
+            result = _into_a_closed_pipe(*args)
+            assert (result.returncode, result.stderr) == (141, ""), args
+        # As a shell runs it: `esi-sidecar status | head -1`, whichever ends first.
+        shell = subprocess.run(
+            ["bash", "-o", "pipefail", "-c",
+             f"{sys.executable} -m sidecar.cli status --url {d.url} | head -1"],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert shell.stdout.startswith("releases in "), shell.stdout
+        assert "Traceback" not in shell.stderr and "BrokenPipe" not in shell.stderr
+        assert shell.returncode in (0, 141), shell.stderr
+
+
+def test_restore_help_describes_restore_not_the_upload() -> None:
+    result = cli("restore", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "--to DIR local checkpoint folder to restore into" in text
+    assert "[env ESI_SIDECAR_UPLOAD_FROM]" in text
+    assert "--from URL where to fetch the checkpoint from: s3://BUCKET/PREFIX" in text
+    assert "[env ESI_SIDECAR_UPLOAD_TO]" in text
+    assert "--concurrency N parts and files downloaded at once (default 8)" in text
+    for uploader_words in ("to upload from", "where complete checkpoints go",
+                           "uploaded at once", "for the upload"):
+        assert uploader_words not in text, uploader_words

@@ -48,6 +48,7 @@ from image_support import (
     run_bounded,
 )
 
+import sidecar
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.tools.emulator import Emulator
 
@@ -286,7 +287,7 @@ def test_image_metadata(built: Built) -> None:
 def test_image_holds_the_install_and_nothing_else(built: Built) -> None:
     installed = built.distributions()
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert installed.get("esi-sidecar") == PYPROJECT["project"]["version"], sorted(installed)
+    assert installed.get("esi-sidecar") == sidecar.__version__, sorted(installed)
     wanted = requirement_names(extras["server"])
     if built.variant == "upload":
         wanted |= requirement_names(extras["upload"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -289,7 +291,10 @@ def test_cli_writes_markdown_csv_and_png(
         ("steady", "sidecar"), ("steady", "verl"),
         ("spot-notice-30s", "sidecar"), ("spot-notice-30s", "verl"),
     }
-    assert capsys.readouterr().err == ""  # no progress line when stderr is not a terminal
+    # Off a terminal, progress is a line per workload on stderr (issue 26), nothing redrawn.
+    err = capsys.readouterr().err
+    assert err.startswith("simulating 2 workloads x 2 policies x 3 seeds ...\n"), err
+    assert "\r" not in err
 
 
 def test_cli_no_plot_and_stdout_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,3 +318,26 @@ def test_cli_rejects_unknown_names() -> None:
     with pytest.raises(SystemExit) as exc:
         _cli("--workload", "nope")
     assert exc.value.code == 2
+
+
+def test_cli_says_how_far_it_is_on_stderr_as_each_workload_is_done() -> None:
+    """`esi-sidecar simulate` ran 60 s printing nothing (issue 26): a real process whose
+    stderr is a pipe gets a line at once and one per workload; stdout has the table only."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "simulate", "--seeds", "2",
+         "--workload", "steady", "--workload", "spot-notice-30s", "--policy", "sidecar"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    try:
+        first = process.stderr.readline()  # before the simulation ends
+        assert first == "simulating 2 workloads x 1 policies x 2 seeds ...\n"
+        out, rest = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert process.returncode == 0, rest
+    lines = rest.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["  steady done", "  spot-notice-30s done"]
+    assert lines[1].startswith("  spot-notice-30s done (2/2, ") and lines[1].endswith(" s)")
+    assert out.startswith("|") and "| steady | sidecar |" in out and "done" not in out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +72,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _progress(label: str) -> Any:
-    """A stderr progress line, only on a terminal (logs and pipes stay clean)."""
-    if not sys.stderr.isatty():
-        return None
+def _progress(label: str, workloads: list[str]) -> Any:
+    """Progress on stderr: a percentage redrawn in place on a terminal; elsewhere (a pipe,
+    a log) a line now and one as each workload is done, so a minute of simulating is
+    never a minute of silence (issue 26). stdout keeps the table alone."""
+    if sys.stderr.isatty():
+        def redraw(fraction: float) -> None:
+            end = "\n" if fraction >= 1 else ""
+            print(f"\r{label} ... {fraction:4.0%}", end=end, file=sys.stderr, flush=True)
 
-    def report(fraction: float) -> None:
-        end = "\n" if fraction >= 1 else ""
-        print(f"\r{label} ... {fraction:4.0%}", end=end, file=sys.stderr, flush=True)
+        return redraw
+    print(f"{label} ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    done = 0
 
-    return report
+    def line_per_workload(fraction: float) -> None:
+        nonlocal done
+        while done < min(len(workloads), int(fraction * len(workloads) + 1e-9)):
+            done += 1
+            print(f"  {workloads[done - 1]} done ({done}/{len(workloads)}, "
+                  f"{time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return line_per_workload
 
 
 def simulate_command(args: argparse.Namespace) -> int:
@@ -105,14 +118,16 @@ def simulate_command(args: argparse.Namespace) -> int:
     policies = args.policy or list(POLICIES)
     label = f"simulating {len(workloads)} workloads x {len(policies)} policies x {args.seeds} seeds"
     results = run(workloads, policies, seeds=args.seeds, seed0=args.seed0,
-                  notice_delay_seconds=args.notice_delay, progress=_progress(label))
+                  notice_delay_seconds=args.notice_delay, progress=_progress(label, workloads))
     if args.out is None:
         print(render_table(results), end="")
         return 0
     sweep = []
     if args.top_up_sweep:
         sweep = top_up_sweep(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
-                             progress=_progress(f"top-up margins x {args.seeds} seeds"))
+                             progress=_progress(f"top-up margins x {args.seeds} seeds",
+                                                [w.name for w in WORKLOADS.values()
+                                                 if not w.stress]))
     for path in write_outputs(results, args.out, seeds=args.seeds,
                               notice_delay_seconds=args.notice_delay, plot=args.plot,
                               sweep=sweep):
