@@ -12,25 +12,17 @@ loop because the daemon is down, slow or talking nonsense: it answers None and r
 
 from __future__ import annotations
 
-import atexit
-import http.client
-import io
-import ipaddress
-import json
 import logging
 import math
 import os
-import socket
-import threading
 import time
-import urllib.parse
-from collections import deque
 from collections.abc import Mapping, Sequence
-from contextlib import suppress
 from dataclasses import replace
 from typing import Any, Optional, Union
 
 from sidecar.models import DEFAULT_LISTEN, Expiry
+from sidecar.train.endpoint import ENV_TOKEN, Endpoint, FetchError, describe_error
+from sidecar.train.event_sender import EventSender
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "DEFAULT_URL", "ENV_TOKEN", "ENV_URL", "SidecarClient"]
 
@@ -41,361 +33,10 @@ DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 # about a millisecond.
 DEFAULT_TIMEOUT_SECONDS = 0.2
 ENV_URL = "ESI_SIDECAR_URL"
-# The daemon's token, sent as "Authorization: Bearer ..." when set: a daemon listening
-# beyond loopback (a container on a bridge network) requires it; loopback needs none.
-ENV_TOKEN = "ESI_SIDECAR_TOKEN"
-EXPIRY_PATH = "/v1/expiry"
 UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
-# /v1/expiry is a few hundred bytes; anything much larger is not our daemon.
-_MAX_BODY_BYTES = 64 * 1024
-_USER_AGENT = "esi-sidecar-client"
-_JSON_BODY = {"Content-Type": "application/json"}
-_TCP_QUICKACK: Optional[int] = getattr(socket, "TCP_QUICKACK", None)  # Linux only
 
 
 # ---------------------------------------------------------------------------- HTTP client
-
-
-class _FetchError(Exception):
-    """One failed request; the message is one line naming the URL."""
-
-    def __init__(self, message: str, status: Optional[int] = None) -> None:
-        super().__init__(message)
-        self.status = status  # the HTTP status of an answer that was not a success
-
-
-def _describe_error(exc: BaseException, timeout: float) -> str:
-    if isinstance(exc, (socket.timeout, TimeoutError)):
-        return f"no answer within {timeout:g} s"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-class _Deadline:
-    """The end of one request (connect, send, headers and body together): every socket
-    wait gets only what is left of it, so a daemon that trickles its answer a byte at a
-    time cannot stretch a 0.2 s timeout into a minute."""
-
-    def __init__(self) -> None:
-        self.at = math.inf  # time.monotonic()
-
-    def left(self) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("timed out")
-        return left
-
-
-class _BoundedReader(io.RawIOBase):
-    """What ``http.client`` reads the response from: ``recv_into`` within the deadline.
-
-    It reads through the socket's own ``makefile()``, which keeps the descriptor open
-    until the response is read: ``http.client`` closes the connection as soon as the
-    headers say ``Connection: close`` (an HTTP/1.0 peer), before the body is read."""
-
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
-        super().__init__()
-        self._sock = sock
-        self._raw = sock.makefile("rb", buffering=0)
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        self._sock.settimeout(self._deadline.left())
-        return self._raw.readinto(buffer) or 0
-
-    def close(self) -> None:
-        self._raw.close()
-        super().close()
-
-
-class _BoundedSocket:
-    """The connection's socket as ``http.client`` sees it: sends and reads bounded by the
-    request's deadline; everything else goes to the real socket."""
-
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
-        self._sock = sock
-        self._deadline = deadline
-
-    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
-        return io.BufferedReader(_BoundedReader(self._sock, self._deadline))
-
-    def sendall(self, data: bytes, *args: Any) -> None:
-        self._sock.settimeout(self._deadline.left())
-        self._sock.sendall(data, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Endpoint:
-    """One daemon URL with its keep-alive connection (reopened after any failure)."""
-
-    def __init__(self, url: str, timeout: float, token: Optional[str] = None) -> None:
-        parts = urllib.parse.urlsplit(url.strip())
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http:// URL: {url!r}")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"bad port in URL: {url!r}") from None
-        self.url = url.strip().rstrip("/")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = port or (443 if self._https else 80)
-        self._base_path = parts.path.rstrip("/")
-        self.on_loopback = _is_loopback(self._host)
-        self._timeout = timeout
-        self._deadline = _Deadline()
-        self._connection: Optional[http.client.HTTPConnection] = None
-        self._headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
-        if token is not None:
-            self._headers["Authorization"] = f"Bearer {token}"
-        # The last answer that carried a deadline; forgotten only when the daemon says,
-        # freshly, that none is scheduled (see SidecarClient.expiry).
-        self.known: Optional[Expiry] = None
-
-    def close(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-
-    def _connect(self) -> http.client.HTTPConnection:
-        factory = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        connection = factory(self._host, self._port, timeout=self._deadline.left())
-        connection.connect()
-        connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection.sock = _BoundedSocket(connection.sock, self._deadline)
-        return connection
-
-    def _quick_ack(self, connection: http.client.HTTPConnection) -> None:
-        """Ask Linux to ACK the reply at once instead of after up to 40 ms.
-
-        A server that writes headers and body separately without TCP_NODELAY holds the
-        body until the first part is acknowledged; with a delayed ACK, each keep-alive
-        request then takes about 44 ms instead of 0.5 ms (measured against the daemon).
-        The flag is not sticky, so it is set around every request. No-op elsewhere.
-        """
-        if _TCP_QUICKACK is not None and connection.sock is not None:
-            with suppress(OSError):
-                connection.sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
-
-    def get_json(self, path: str) -> Any:
-        """GET ``path`` and decode JSON; raises _FetchError with a one-line message.
-
-        The whole request, a retry on a fresh connection included, ends within the
-        client's timeout."""
-        return self.request_json("GET", path)
-
-    def request_json(self, method: str, path: str, body: Optional[bytes] = None) -> Any:
-        """``method`` ``path`` (with a JSON ``body``) and decode the JSON answer, as
-        :meth:`get_json`; a POST may be answered 200 or 202."""
-        self._deadline.at = time.monotonic() + self._timeout
-        headers = self._headers if body is None else {**self._headers, **_JSON_BODY}
-        for _attempt in range(2):
-            reused = self._connection is not None
-            try:
-                connection = self._connection or self._connect()
-                self._connection = connection
-                self._quick_ack(connection)
-                connection.request(
-                    method,
-                    self._base_path + path,
-                    body=body,
-                    headers=headers,
-                )
-                self._quick_ack(connection)
-                response = connection.getresponse()
-                body = response.read(_MAX_BODY_BYTES + 1)
-            except Exception as exc:
-                self.close()
-                timed_out = isinstance(exc, (socket.timeout, TimeoutError))
-                if reused and not timed_out:
-                    # The peer closed an idle keep-alive connection (a restart, its
-                    # keep-alive timeout): one retry on a fresh connection. Never after a
-                    # timeout, which would double the stall in the training loop.
-                    continue
-                raise _FetchError(f"{self.url}: {_describe_error(exc, self._timeout)}") from None
-            if len(body) > _MAX_BODY_BYTES or not response.isclosed() or response.will_close:
-                self.close()  # unread bytes or a closing peer: do not reuse
-            if len(body) > _MAX_BODY_BYTES:
-                raise _FetchError(f"{self.url}: response larger than {_MAX_BODY_BYTES} bytes")
-            if response.status == 401:
-                wanted = "a token" if "Authorization" not in self._headers else "another token"
-                raise _FetchError(f"{self.url}: HTTP 401 from {path}: the daemon wants {wanted} "
-                                  f"(set {ENV_TOKEN} to the daemon's)")
-            if response.status != 200 and not (method == "POST" and response.status == 202):
-                raise _FetchError(f"{self.url}: HTTP {response.status} from {path}",
-                                  response.status)
-            try:
-                return json.loads(body.decode("utf-8"))
-            except ValueError as exc:
-                raise _FetchError(f"{self.url}: malformed JSON ({exc})") from None
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def expiry(self) -> Expiry:
-        body = self.get_json(EXPIRY_PATH)
-        try:
-            return Expiry.from_json(body)
-        except ValueError as exc:
-            raise _FetchError(f"{self.url}: bad {EXPIRY_PATH} body ({exc})") from None
-
-
-# ---------------------------------------------------------------------------- job events
-
-EVENTS_PATH = "/v1/events"
-# The events waiting for the sender: a guard queues a few per save and one per 30 s, so
-# this many mean the daemon has not answered for a long while; the oldest go first.
-MAX_QUEUED_EVENTS = 256
-MAX_EVENTS_PER_REQUEST = 50  # the daemon takes up to 100
-EVENT_RETRY_SECONDS = 5.0  # after a failed request, as the deadline's retry
-EVENT_IDLE_SECONDS = 30.0  # the sender's thread ends after this long without events
-_NO_EVENTS_ENDPOINT = (404, 405)  # a daemon older than /v1/events
-
-
-class _EventSender:
-    """Posts job events to one daemon from one background thread, so that the training
-    loop never waits for it: :meth:`put` only appends to a bounded queue (dropping the
-    oldest when full). One request at a time, each within the client's timeout; a failed
-    request drops its events (never sent twice) and the next waits EVENT_RETRY_SECONDS.
-    The thread starts with the first event and ends after EVENT_IDLE_SECONDS without one;
-    :meth:`close` (and the interpreter's exit) sends what is queued, within two timeouts.
-    Every count is the sender's own; nothing here raises."""
-
-    def __init__(self, url: str, timeout: float, token: Optional[str]) -> None:
-        self.url, self._timeout, self._token = url, timeout, token
-        self._lock = threading.Lock()
-        self._queue: deque[dict[str, Any]] = deque()
-        self._wake = threading.Event()
-        self._closing = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._pid = os.getpid()
-        self._disabled = False  # the daemon has no /v1/events
-        self._failing: Optional[str] = None  # for logging once per change
-        self._at_exit = False
-        self.sent = 0
-        self.dropped = 0
-        self.last_error: Optional[str] = None
-
-    def put(self, event: dict[str, Any]) -> None:
-        start: Optional[threading.Thread] = None
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: the thread stayed in the parent
-                self._pid, self._thread = os.getpid(), None
-                self._queue.clear()
-            if self._disabled:
-                self.dropped += 1
-                return
-            if len(self._queue) >= MAX_QUEUED_EVENTS:
-                self._queue.popleft()
-                self.dropped += 1
-            self._queue.append(event)
-            if self._thread is None:
-                self._closing.clear()
-                start = self._thread = threading.Thread(
-                    target=self._run, name="esi-sidecar-events", daemon=True)
-        if start is not None:
-            try:
-                start.start()
-            except RuntimeError:  # no thread to be had: the events wait for a later try
-                with self._lock:
-                    self._thread = None
-                return
-            if not self._at_exit:  # what is queued when the job ends is still sent
-                self._at_exit = True
-                atexit.register(self.close)
-        if not self._wake.is_set():  # set() takes a lock; the thread may be awake already
-            self._wake.set()
-
-    def _take(self) -> Optional[list[dict[str, Any]]]:
-        """The next batch; None (and the thread forgotten) when there is nothing to send."""
-        with self._lock:
-            if not self._queue:
-                self._thread = None
-                return None
-            return [self._queue.popleft()
-                    for _ in range(min(len(self._queue), MAX_EVENTS_PER_REQUEST))]
-
-    def _run(self) -> None:
-        endpoint = _Endpoint(self.url, self._timeout, self._token)
-        try:
-            while True:
-                with self._lock:
-                    idle = not self._queue
-                if idle and not self._closing.is_set() and self._wake.wait(EVENT_IDLE_SECONDS):
-                    self._wake.clear()
-                    continue  # look again: the wake may be for events already sent
-                batch = self._take()  # None after a wait without events: the thread ends
-                if batch is None:
-                    return
-                if not self._send(endpoint, batch) and not self._closing.is_set():
-                    self._closing.wait(EVENT_RETRY_SECONDS)
-                if self._closing.is_set() and self.last_error is not None:
-                    with self._lock:  # closing and failing: what is left is dropped
-                        self.dropped += len(self._queue)
-                        self._queue.clear()
-                        self._thread = None
-                    return
-        except Exception:  # a bug of ours must not print into the training job's output
-            with self._lock:
-                self._thread = None
-        finally:
-            endpoint.close()
-
-    def _send(self, endpoint: _Endpoint, batch: list[dict[str, Any]]) -> bool:
-        try:
-            body = json.dumps(batch, separators=(",", ":"), allow_nan=False).encode()
-            endpoint.request_json("POST", EVENTS_PATH, body)
-        except Exception as exc:
-            status = getattr(exc, "status", None)
-            why = str(exc) if isinstance(exc, _FetchError) else _describe_error(exc, 0)
-            with self._lock:
-                self.dropped += len(batch)
-                self.last_error = why
-                if status in _NO_EVENTS_ENDPOINT:
-                    self._disabled = True
-                    self.dropped += len(self._queue)
-                    self._queue.clear()
-            if status in _NO_EVENTS_ENDPOINT:
-                logger.info("the daemon at %s takes no job events (%s): not sending them",
-                            self.url, why)
-            elif self._failing != why:
-                self._failing = why
-                logger.info("job events to %s failed (%s); dropping them until one goes "
-                            "through", self.url, why)
-            return False
-        with self._lock:
-            self.sent += len(batch)
-            self.last_error = None
-        if self._failing is not None:
-            self._failing = None
-            logger.info("job events reach %s again", self.url)
-        return True
-
-    def close(self) -> None:
-        """Send what is queued (within two timeouts) and stop the thread."""
-        with self._lock:
-            thread = self._thread
-        self._closing.set()
-        self._wake.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(2 * self._timeout + 0.05)
-        if self._at_exit:
-            self._at_exit = False
-            atexit.unregister(self.close)
 
 
 def _kept(known: Expiry, why: str) -> Expiry:
@@ -480,7 +121,7 @@ class SidecarClient:
             if not urls:
                 raise ValueError(f"url names no daemon: {url!r}")
             # The caller's own argument: a typo should fail here, at start-up.
-            self._endpoints = [_Endpoint(u, self.timeout, self._token) for u in urls]
+            self._endpoints = [Endpoint(u, self.timeout, self._token) for u in urls]
         else:
             self._endpoints = self._endpoints_from_environment()
         self.last_error: Optional[str] = None
@@ -489,17 +130,17 @@ class SidecarClient:
         self.degraded_urls: tuple[str, ...] = ()
         self._failing: tuple[str, ...] = ()  # for logging once per change
         self._warned_partial = False
-        self._events: Optional[_EventSender] = None  # started by the first send_event()
+        self._events: Optional[EventSender] = None  # started by the first send_event()
 
-    def _endpoints_from_environment(self) -> list[_Endpoint]:
+    def _endpoints_from_environment(self) -> list[Endpoint]:
         endpoints = []
         for candidate in _split_urls(os.environ.get(ENV_URL, "")):
             try:
-                endpoints.append(_Endpoint(candidate, self.timeout, self._token))
+                endpoints.append(Endpoint(candidate, self.timeout, self._token))
             except ValueError as exc:
                 # The environment is outside data: never crash the training loop on it.
                 logger.warning("ignoring %s entry: %s", ENV_URL, exc)
-        return endpoints or [_Endpoint(DEFAULT_URL, self.timeout, self._token)]
+        return endpoints or [Endpoint(DEFAULT_URL, self.timeout, self._token)]
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -529,11 +170,11 @@ class SidecarClient:
         for endpoint in self._endpoints:
             try:
                 answer = endpoint.expiry()
-            except _FetchError as exc:
+            except FetchError as exc:
                 why = str(exc)
             except Exception as exc:  # never into the training loop, whatever it was
                 endpoint.close()
-                why = f"{endpoint.url}: {_describe_error(exc, self.timeout)}"
+                why = f"{endpoint.url}: {describe_error(exc, self.timeout)}"
             else:
                 answered.append(answer)
                 if answer.expires_at_unix is not None:
@@ -605,18 +246,18 @@ class SidecarClient:
             try:
                 body = endpoint.get_json(UPLOADS_PATH)
                 if not isinstance(body, dict):
-                    raise _FetchError(f"{endpoint.url}: bad {UPLOADS_PATH} body")
+                    raise FetchError(f"{endpoint.url}: bad {UPLOADS_PATH} body")
                 if not body.get("enabled"):
                     continue
                 step = body.get("last_durable_step")
                 if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-                    raise _FetchError(f"{endpoint.url}: bad last_durable_step {step!r}")
+                    raise FetchError(f"{endpoint.url}: bad last_durable_step {step!r}")
                 steps.append(step)
-            except _FetchError as exc:
+            except FetchError as exc:
                 errors.append(str(exc))
             except Exception as exc:  # never into the training loop, whatever it was
                 endpoint.close()
-                errors.append(f"{endpoint.url}: {_describe_error(exc, self.timeout)}")
+                errors.append(f"{endpoint.url}: {describe_error(exc, self.timeout)}")
         self.last_error = "; ".join(errors) or None
         return None if errors else steps
 
@@ -661,7 +302,7 @@ class SidecarClient:
             sender = self._events
             if sender is None:
                 own = next((e for e in self._endpoints if e.on_loopback), self._endpoints[0])
-                sender = self._events = _EventSender(own.url, self.timeout, self._token)
+                sender = self._events = EventSender(own.url, self.timeout, self._token)
             sender.put(dict(event))
         except Exception:  # never into the training loop, whatever it was
             pass

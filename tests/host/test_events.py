@@ -27,7 +27,7 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.host.events import HISTORY_LENGTH, MAX_TRACKED_JOBS, EventHistory, JobEvent
-from sidecar.train import client as client_module
+from sidecar.train import event_sender as sender_module
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
@@ -259,7 +259,7 @@ def test_a_hung_daemon_never_delays_a_step(silent_server: SilentServer) -> None:
     wait_for(lambda: client.events_dropped > 0, timeout=5)
     # 600 events against a queue of 256: the oldest were dropped and counted, none sent.
     assert client.events_sent == 0
-    assert client.events_dropped >= 600 - client_module.MAX_QUEUED_EVENTS - 50
+    assert client.events_dropped >= 600 - sender_module.MAX_QUEUED_EVENTS - 50
     started = time.perf_counter()
     client.close()  # bounded: two timeouts at most, though the daemon never answers
     assert time.perf_counter() - started < 2 * client.timeout + 0.3
@@ -281,7 +281,7 @@ def test_a_dead_daemon_never_delays_a_step() -> None:
 
 def test_at_most_one_event_request_in_flight(silent_server: SilentServer,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "EVENT_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(sender_module, "EVENT_RETRY_SECONDS", 0.0)
     client = SidecarClient(silent_server.url)
     for _ in range(40):
         client.send_event({"kind": "step-estimate", "job": "j"})
@@ -293,7 +293,7 @@ def test_at_most_one_event_request_in_flight(silent_server: SilentServer,
 
 
 def test_the_sender_thread_ends_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "EVENT_IDLE_SECONDS", 0.05)
+    monkeypatch.setattr(sender_module, "EVENT_IDLE_SECONDS", 0.05)
     with static_daemon() as daemon:
         client = SidecarClient(daemon.url)
         client.send_event(event("step-estimate"))
