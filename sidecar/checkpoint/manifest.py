@@ -11,6 +11,7 @@ one is never a checkpoint. That single rule is what makes a killed save harmless
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -107,10 +108,14 @@ def sync_checkpoint_files(
 
 
 def sha256_of(path: Path) -> str:
-    hasher = hashlib.sha256()
     with open(path, "rb", buffering=0) as handle:
-        for chunk in iter(lambda: handle.read(_READ_CHUNK), b""):
-            hasher.update(chunk)
+        return _sha256_of_handle(handle)
+
+
+def _sha256_of_handle(handle: Any) -> str:
+    hasher = hashlib.sha256()
+    for chunk in iter(lambda: handle.read(_READ_CHUNK), b""):
+        hasher.update(chunk)
     return hasher.hexdigest()
 
 
@@ -204,22 +209,74 @@ def read_manifest(folder: Path) -> CheckpointInfo:
     return CheckpointInfo(folder, step, created, total, metadata, tuple(entries))
 
 
+_NO_FOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_listed(folder: Path, relative: str) -> int:
+    """Open the file ``relative`` of the checkpoint ``folder`` for reading, following no
+    symbolic link on the way: every sub-folder is opened with ``O_NOFOLLOW`` relative to
+    the one above it, and the file itself must be a regular file. A manifest never lists
+    a link (``sync_checkpoint_files`` leaves them out), so a link found here was put in
+    after the commit, and following it could read any file outside the checkpoint
+    (issue 22, item 3). Returns a file descriptor; raises :class:`Invalid` with the
+    reason, or ``OSError`` when the file cannot be read."""
+    parts = _safe_relative(relative).split("/")
+    directory = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            flags = _NO_FOLLOW | (0 if last else getattr(os, "O_DIRECTORY", 0))
+            if last:
+                flags |= getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open
+            try:
+                handle = os.open(part, flags, dir_fd=directory)
+            except FileNotFoundError:
+                raise Invalid(f"file {relative} listed in the manifest is missing") from None
+            except OSError as exc:
+                where = "/".join(parts[:index + 1])
+                if exc.errno == errno.ENOTDIR and _is_link(part, directory):
+                    exc.errno = errno.ELOOP  # O_DIRECTORY answers ENOTDIR for a link
+                if exc.errno == errno.ELOOP:
+                    raise Invalid(f"{where} is a symbolic link: {relative} is not a regular "
+                                  "file of the checkpoint") from None
+                if exc.errno == errno.ENOTDIR:
+                    raise Invalid(f"{where} is not a folder (listed: {relative})") from None
+                raise
+            os.close(directory)
+            directory = handle
+        if not stat.S_ISREG(os.fstat(directory).st_mode):
+            raise Invalid(f"{relative} is not a regular file")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(directory, True)
+    except BaseException:
+        os.close(directory)
+        raise
+    return directory
+
+
+def _is_link(name: str, directory: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=directory).st_mode)
+    except OSError:
+        return False
+
+
 def check_files(info: CheckpointInfo, *, verify_checksums: bool) -> None:
-    """Compare the files on disk with the manifest: sizes always, sha256 when asked."""
+    """Compare the files on disk with the manifest: sizes always, sha256 when asked.
+    Each file is opened without following links (:func:`open_listed`)."""
     for entry in info.files:
-        path = info.path / entry.path
+        handle = open_listed(info.path, entry.path)
         try:
-            found = os.stat(path)
-        except FileNotFoundError:
-            raise Invalid(f"file {entry.path} listed in the manifest is missing") from None
-        if not stat.S_ISREG(found.st_mode):
-            raise Invalid(f"{entry.path} is not a regular file")
-        if found.st_size != entry.size:
-            raise Invalid(
-                f"file {entry.path} is {found.st_size} bytes, the manifest says {entry.size}"
-            )
+            size = os.fstat(handle).st_size
+        finally:
+            os.close(handle)
+        if size != entry.size:
+            raise Invalid(f"file {entry.path} is {size} bytes, the manifest says {entry.size}")
     if not verify_checksums:
         return
     for entry in info.files:
-        if entry.sha256 is not None and sha256_of(info.path / entry.path) != entry.sha256:
-            raise Invalid(f"file {entry.path} does not match its sha256 in the manifest")
+        if entry.sha256 is None:
+            continue
+        with open(open_listed(info.path, entry.path), "rb", buffering=0) as reader:
+            if _sha256_of_handle(reader) != entry.sha256:
+                raise Invalid(f"file {entry.path} does not match its sha256 in the manifest")

@@ -33,6 +33,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
+from sidecar.checkpoint.manifest import Invalid
 from sidecar.host.settings import DEFAULT_UPLOAD_CONCURRENCY, DEFAULT_UPLOAD_PART_SIZE
 
 __all__ = [
@@ -195,7 +196,7 @@ def describe_error(exc: BaseException, config: StorageConfig, what: str = "") ->
     if isinstance(exc, BotoCoreError):  # botocore's messages are templates, no secrets
         text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         return f"{prefix}{text}"
-    if isinstance(exc, StorageError):
+    if isinstance(exc, (StorageError, Invalid)):  # Invalid: the local file (a link, ...)
         return f"{prefix}{exc}"
     text = str(exc).splitlines()[0][:200] if str(exc) else ""
     return f"{prefix}{type(exc).__name__}" + (f": {text}" if text else "")

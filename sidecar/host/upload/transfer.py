@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from sidecar.checkpoint.manifest import (
     CheckpointInfo,
     FileEntry,
     Invalid,
+    open_listed,
     read_manifest,
 )
 from sidecar.host.upload.location import S3Location
@@ -81,6 +83,16 @@ class _Progress(BaseSubscriber):
 
     def on_done(self, future: Any, **kwargs: Any) -> None:
         self._finished.set()
+
+
+def _opened(handle: int) -> Any:
+    """What boto3 reads for an open file: its /proc/self/fd name (boto3 reopens it for
+    each part, in parallel, and the name can only reach that same file), else the file
+    object itself (read in order)."""
+    name = f"/proc/self/fd/{handle}"
+    if os.path.exists(name):
+        return name
+    return os.fdopen(os.dup(handle), "rb")
 
 
 def manifest_digest(raw: bytes) -> str:
@@ -195,14 +207,25 @@ def upload_checkpoint(
         client.delete_object(Bucket=location.bucket, Key=location.manifest_key(name))
         _phase("stale-manifest-deleted", name)
 
-    def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
-        return [
-            manager.upload(str(info.path / entry.path), location.bucket,
-                           location.key(name, entry.path), subscribers=[progress])
-            for entry in info.files
-        ]
+    # Every file opened first, following no link (issue 22, item 3): boto3 then reads the
+    # opened file itself, through /proc/self/fd, so a file swapped for a link after this
+    # check is never read.
+    handles = []
+    try:
+        for entry in info.files:
+            handles.append(open_listed(info.path, entry.path))
 
-    _run_transfers(client, storage, submit, on_progress, should_stop)
+        def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
+            return [
+                manager.upload(_opened(handle), location.bucket,
+                               location.key(name, entry.path), subscribers=[progress])
+                for handle, entry in zip(handles, info.files)
+            ]
+
+        _run_transfers(client, storage, submit, on_progress, should_stop)
+    finally:
+        for handle in handles:
+            os.close(handle)
     _phase("files-uploaded", name)
     _verify_sizes(client, storage, location, name, info.files)
     _phase("sizes-verified", name)

@@ -83,6 +83,7 @@ _MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader wr
 # Note on a record whose folder vanished (pruned, or moved aside by a re-save that a kill
 # interrupted: if it comes back, it is considered again).
 _GONE = "the local checkpoint is gone"
+_INVALID = "not valid: "  # then why: considered again when it is valid again
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class Uploader:
         self._started_at = clock()
         self._prepared = False
         self._storage_retry_at = 0.0
+        self._failures_in_a_row = 0
+        self._last_failure: Optional[str] = None
+        self._refused: dict[str, str] = {}  # committed checkpoints no longer valid: why
         self._last_scan = 0.0  # time.monotonic() of the last scan
         self._last_scan_at: Optional[float] = None  # the same on self._clock, once done
 
@@ -227,7 +231,16 @@ class Uploader:
     def _scan(self) -> None:
         self._last_scan = time.monotonic()
         scan_at = self._clock()  # before the listing: what it misses appeared after this
-        local = self._local()
+        listings = list_checkpoints(self.config.root)
+        local = [listing.info for listing in listings if listing.info is not None]
+        # Committed once (a manifest is there) but no longer valid: a file changed, or was
+        # replaced by a link (issue 22, item 3). Partial saves are not worth a line.
+        refused = {listing.path.name: listing.reason or "not valid" for listing in listings
+                   if listing.info is None and os.path.lexists(listing.path / MANIFEST_NAME)}
+        for name, reason in refused.items():
+            if self._refused.get(name) != reason:  # once per checkpoint and reason
+                log.warning("not uploading %s: %s", name, reason)
+        self._refused = refused
         seen = set()
         for info in local:
             seen.add(info.name)
@@ -237,7 +250,8 @@ class Uploader:
                 continue  # went away between the listing and now
             digest = manifest_digest(raw)
             old = self.tracker.get(info.name)
-            if old is not None and old.digest == digest and old.note != _GONE:
+            if old is not None and old.digest == digest and old.note != _GONE \
+                    and not (old.note or "").startswith(_INVALID):
                 continue
             if old is not None:
                 log.info("%s was saved again; it will be uploaded again", info.name)
@@ -249,8 +263,10 @@ class Uploader:
         for record in self.tracker.records():
             if record.name not in seen and record.state in ("pending", "failed"):
                 # Deleted (pruned by the trainer, say) before its turn: nothing to upload.
+                # Or no longer valid (a file changed, replaced by a link): say why, once.
+                why = refused.get(record.name)
                 self.tracker.update(record.name, state="skipped", retry_at_unix=None,
-                                    note=_GONE)
+                                    note=_GONE if why is None else _INVALID + why)
         self._last_scan_at = scan_at
         self._skip_superseded()
 
@@ -304,12 +320,14 @@ class Uploader:
                 self.tracker.record_done(record.name, duration=None,
                                          note="already complete in storage")
                 log.info("%s is already complete in %s", record.name, self.destination.url)
+                self._succeeded()
             else:
                 self._upload(record, info, raw, folder, inode)
                 duration = time.monotonic() - started
                 self.tracker.record_done(record.name, duration=duration, note=None)
                 log.info("uploaded %s (%d bytes, %d files) to %s in %.1f s", record.name,
                          info.total_bytes, len(info.files), self.destination.url, duration)
+                self._succeeded()
         except Cancelled as exc:
             self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
             log.info("upload of %s stopped: %s", record.name, exc)
@@ -372,7 +390,12 @@ class Uploader:
 
     def _failed(self, name: Optional[str], message: str) -> None:
         now = self._clock()
-        failures = self.tracker.record_failure(name, message, retry_at=now)
+        self.tracker.record_failure(name, message, retry_at=now)
+        # Counted here, reset only by an upload that succeeds: a volume that is full or
+        # read-only still answers reads, so "a storage call succeeded" would restart the
+        # backoff at every attempt (issue 22, weak points).
+        self._failures_in_a_row += 1
+        failures = self._failures_in_a_row
         delay = min(self.config.backoff_cap_seconds,
                     self.config.backoff_base_seconds * 2 ** min(failures - 1, 30))
         delay *= random.uniform(0.5, 1.0)  # jitter: many hosts must not retry in step
@@ -381,7 +404,16 @@ class Uploader:
             self.tracker.update(name, retry_at_unix=retry_at)
         self._storage_retry_at = retry_at
         self.destination.reset()
-        log.warning("%s; retrying in %.1f s (failure %d in a row)", message, delay, failures)
+        # Once per change of the error; the same error again only at debug level.
+        level = logging.WARNING if message != self._last_failure else logging.DEBUG
+        self._last_failure = message
+        log.log(level, "%s; retrying in %.1f s (failure %d in a row)", message, delay, failures)
+
+    def _succeeded(self) -> None:
+        if self._failures_in_a_row:
+            log.info("uploads work again after %d failure(s) in a row", self._failures_in_a_row)
+        self._failures_in_a_row = 0
+        self._last_failure = None
 
     # ------------------------------------------------------------------ local chores
 

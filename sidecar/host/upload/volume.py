@@ -13,6 +13,7 @@ checkpoint is never visible under its name; a killed copy leaves a ``.tmp-`` fol
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import shutil
@@ -29,11 +30,15 @@ from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointInfo,
+    FileEntry,
     Invalid,
     check_files,
+    open_listed,
 )
+from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
 
 __all__ = [
+    "COPY_ATTEMPTS",
     "EXIT_FAILED",
     "EXIT_NOTHING",
     "Cancelled",
@@ -51,6 +56,7 @@ __all__ = [
 log = logging.getLogger("sidecar.host.upload.volume")
 
 _CHUNK = 4 << 20
+COPY_ATTEMPTS = 3  # copies of a file that does not match its manifest before giving up
 
 
 class Cancelled(Exception):
@@ -81,14 +87,16 @@ def _token() -> str:
 
 
 def commit_folder(
-    root: Path, name: str, manifest: bytes, fill: Callable[[Path], None]
+    root: Path, name: str, manifest: bytes, fill: Callable[[Path], None],
+    before_rename: Callable[[], None] = lambda: None,
 ) -> Path:
     """Commit a checkpoint folder ``root/<name>`` whose files ``fill(temp)`` writes (and
     checks) into a temporary folder; then every file and folder is fsynced, ``manifest``
     written last, the folder renamed into place (an existing one moved aside first, and
     back if the rename fails) and ``root`` fsynced. The same commit as
     ``atomic_checkpoint``, for copies that bring their manifest along: a volume upload
-    and both restores."""
+    and both restores. ``before_rename`` may raise to give up at the last moment (a
+    volume proves it is still the volume it was)."""
     temp = root / f".tmp-{name}.{writer_tag()}.{_token()}"
     temp.mkdir()
     final = root / name
@@ -98,6 +106,7 @@ def commit_folder(
         sync_tree(temp)  # every file and folder, deepest first
         write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
         fsync_path(temp)
+        before_rename()
         if os.path.lexists(final):  # the same name saved again: the new one replaces it
             aside = root / f".old-{name}.{writer_tag()}.{_token()}"
             os.rename(final, aside)
@@ -125,33 +134,71 @@ def copy_checkpoint(
     on_progress: Callable[[int], None] = lambda count: None,
     should_stop: Callable[[], Optional[str]] = lambda: None,
     before_manifest: Callable[[], None] = lambda: None,
+    before_rename: Callable[[], None] = lambda: None,
     check: Callable[[Path], None] = lambda folder: None,
     max_bandwidth: Optional[int] = None,
+    verify_checksums: bool = True,
 ) -> Path:
     """Copy the checkpoint ``info`` (a complete folder) into ``target_root/<name>`` with its
-    own ``manifest`` bytes (see :func:`commit_folder`). ``check(temp)`` runs on the copy
-    before it is committed. Returns the new folder."""
+    own ``manifest`` bytes (see :func:`commit_folder`). Every file is opened without
+    following links (``open_listed``) and checked against the manifest while it is read:
+    its size, and its sha256 when the manifest has one and ``verify_checksums``; a file
+    that does not match is copied again, up to ``COPY_ATTEMPTS`` times, then
+    :class:`Invalid` is raised and nothing is committed (issue 22, item 4). ``check(temp)``
+    runs on the copy before it is committed. Returns the new folder."""
     throttle = Throttle(max_bandwidth)
+
+    def copy_once(entry: FileEntry, target: Path) -> Optional[str]:
+        """Copy one file; the reason it does not match its manifest, or None."""
+        hasher = hashlib.sha256() if verify_checksums and entry.sha256 else None
+        count = 0
+        with open(open_listed(info.path, entry.path), "rb", buffering=0) as reader, \
+                open(target, "xb") as writer:
+            while True:
+                reason = should_stop()
+                if reason:
+                    raise Cancelled(reason)
+                # Never more than one byte past the manifest's size: enough to see a
+                # file that grew, without copying all of a file still being appended to.
+                chunk = reader.read(min(_CHUNK, entry.size + 1 - count))
+                if not chunk:
+                    break
+                writer.write(chunk)
+                count += len(chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
+                on_progress(len(chunk))
+                throttle(len(chunk))
+                if count > entry.size:
+                    break
+        if count > entry.size:
+            return f"more than the {entry.size} bytes the manifest says"
+        if count < entry.size:
+            return f"{count} bytes, the manifest says {entry.size}"
+        if hasher is not None and hasher.hexdigest() != entry.sha256:
+            return "its sha256 differs"
+        return None
 
     def fill(temp: Path) -> None:
         for entry in info.files:
-            source, target = info.path / entry.path, temp / entry.path
+            target = temp / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
-            with open(source, "rb") as reader, open(target, "xb") as writer:
-                while True:
-                    reason = should_stop()
-                    if reason:
-                        raise Cancelled(reason)
-                    chunk = reader.read(_CHUNK)
-                    if not chunk:
-                        break
-                    writer.write(chunk)
-                    on_progress(len(chunk))
-                    throttle(len(chunk))
+            for attempt in range(1, COPY_ATTEMPTS + 1):
+                mismatch = copy_once(entry, target)
+                if mismatch is None:
+                    break
+                on_progress(-target.stat().st_size)  # the bytes are sent again
+                target.unlink()
+                log.info("the copy of %s does not match its manifest (%s); attempt %d of %d",
+                         info.path / entry.path, mismatch, attempt, COPY_ATTEMPTS)
+            else:
+                raise Invalid(f"file {entry.path} does not match its manifest in "
+                              f"{COPY_ATTEMPTS} copies ({mismatch}): changed while it was "
+                              "copied?")
         check(temp)
         before_manifest()
 
-    return commit_folder(target_root, info.name, manifest, fill)
+    return commit_folder(target_root, info.name, manifest, fill, before_rename)
 
 
 def check_copy(info: CheckpointInfo, verify_checksums: bool) -> Callable[[Path], None]:
@@ -192,10 +239,16 @@ def describe_os_error(exc: BaseException, doing: str, where: Path) -> str:
 
 @dataclass
 class VolumeDestination:
-    """The uploader's destination on a mounted volume (see the module's docstring)."""
+    """The uploader's destination on a mounted volume (see the module's docstring). Before
+    a copy counts as durable, the folder proves it is still the volume it was
+    (:mod:`sidecar.host.upload.identity`)."""
 
     root: Path
     max_bandwidth: Optional[int] = None
+    fstab: Path = Path("/etc/fstab")
+
+    def __post_init__(self) -> None:
+        self.identity = VolumeIdentity(self.root, fstab=self.fstab)
 
     @property
     def url(self) -> str:
@@ -214,13 +267,16 @@ class VolumeDestination:
         disk when the volume is not mounted, and that dies with the machine."""
         if not self.root.is_dir():
             raise FileNotFoundError(errno.ENOENT, "no such folder", str(self.root))
+        self.identity.start()
         clean_leftovers(self.root)  # copies a killed daemon left half done
 
     def remote_manifest(self, name: str) -> Optional[bytes]:
         try:
-            return (self.root / name / MANIFEST_NAME).read_bytes()
+            raw = (self.root / name / MANIFEST_NAME).read_bytes()
         except FileNotFoundError:
             return None
+        self.identity.confirm()  # "already complete there" counts as durable too
+        return raw
 
     def upload(
         self,
@@ -231,11 +287,17 @@ class VolumeDestination:
         should_stop: Callable[[], Optional[str]],
         before_manifest: Callable[[], None],
     ) -> None:
+        self.identity.confirm()  # no byte onto the host's disk in the volume's place
         copy_checkpoint(info, manifest, self.root, on_progress=on_progress,
                         should_stop=should_stop, before_manifest=before_manifest,
+                        before_rename=self.identity.confirm,
                         max_bandwidth=self.max_bandwidth)
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
+        if isinstance(exc, NotTheVolume):
+            return str(exc)
+        if isinstance(exc, Invalid):
+            return f"{doing}: {exc}"
         return describe_os_error(exc, doing, self.root)
 
     def reset(self) -> None:
@@ -280,19 +342,43 @@ def already_there(target: Path, manifest: bytes, source: str, started: float) ->
 def restore_from_volume(
     volume: Path, root: Path, *, step: Optional[int] = None, verify_checksums: bool = True
 ) -> Restored:
-    """Copy the newest complete checkpoint on ``volume`` (or the one at ``step``) into
+    """Copy the newest valid checkpoint on ``volume`` (or the one at ``step``) into
     ``root``, committed as a save is, with the same manifest; ``latest_valid(root)``
-    then finds it. Raises :class:`RestoreError` with one line."""
+    then finds it. A checkpoint on the volume that does not match its manifest (a
+    missing or short file, a link, a sha256 that differs) is skipped with a warning
+    naming it and why, and the next older one is tried. Raises :class:`RestoreError`
+    with one line."""
     started = time.monotonic()
     if not volume.is_dir():
         raise RestoreError(f"{volume}: no such folder (is the volume mounted?)")
     try:
-        found = newest_on_volume(volume, step)
+        listings = [listing for listing in list_checkpoints(volume)
+                    if step is None or listing.step == step]
     except OSError as exc:
         raise RestoreError(describe_os_error(exc, "listing", volume)) from None
-    if found is None:
-        which = "complete checkpoint" if step is None else f"complete checkpoint at step {step}"
-        raise RestoreError(f"no {which} in {volume}", EXIT_NOTHING)
+    damaged = 0  # with a manifest, but not matching it: a failure, not a fresh start
+    for listing in listings:  # newest first
+        if listing.info is None:
+            log.warning("skipping %s: %s", listing.path, listing.reason)
+            damaged += os.path.lexists(listing.path / MANIFEST_NAME)
+            continue
+        try:
+            return _restore_one(listing.info, root, started, verify_checksums)
+        except Invalid as exc:
+            log.warning("skipping %s: %s", listing.path, exc)
+            damaged += 1
+    which = "complete checkpoint" if step is None else f"complete checkpoint at step {step}"
+    if damaged:
+        raise RestoreError(f"no valid checkpoint in {volume}: {damaged} skipped because "
+                           "they do not match their manifests (see above)")
+    unmounted = unmounted_reason(volume)
+    if unmounted is not None:  # the empty place of a volume, not an empty volume
+        raise RestoreError(f"no {which} in {volume}: is the volume mounted? ({unmounted})")
+    raise RestoreError(f"no {which} in {volume}", EXIT_NOTHING)
+
+
+def _restore_one(found: CheckpointInfo, root: Path, started: float,
+                 verify_checksums: bool) -> Restored:
     source = str(found.path)
     try:
         manifest = (found.path / MANIFEST_NAME).read_bytes()
@@ -303,12 +389,8 @@ def restore_from_volume(
     if os.path.lexists(target):
         return already_there(target, manifest, source, started)
     clean_leftovers(root)
-    try:  # checked before the commit: a copy that does not match is never a checkpoint
-        final = copy_checkpoint(found, manifest, root,
-                                check=check_copy(found, verify_checksums))
-    except Invalid as exc:
-        raise RestoreError(f"the copy of {source} does not match its manifest: {exc}") \
-            from None
+    try:  # checked while copying: a copy that does not match is never a checkpoint
+        final = copy_checkpoint(found, manifest, root, verify_checksums=verify_checksums)
     except OSError as exc:
         raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
     point_latest(root, found.name)
