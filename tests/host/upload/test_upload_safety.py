@@ -35,7 +35,7 @@ from sidecar.host.upload.volume import (
     restore_from_volume,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SECRET = b"root-only secret: the daemon's token\n"
 
 
