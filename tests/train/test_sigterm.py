@@ -105,7 +105,7 @@ def test_a_bad_grace_is_refused_naming_it(grace: float) -> None:
 def test_every_rank_learns_one_ranks_sigterm_through_the_reduction() -> None:
     # Rank 1's node got the SIGTERM; rank 0 knows nothing. Both are told to save at the
     # same decision, for the same deadline (MIN of the remaining times).
-    from test_client import ThreadAllReduce
+    from test_guard import ThreadAllReduce
 
     reduce = ThreadAllReduce(2)
     now = 2_000_000.0
