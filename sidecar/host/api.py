@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import json
+import platform
 import time
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Callable, Optional, Protocol
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator
@@ -237,8 +238,12 @@ def create_app(
 
     app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock)
 
+    # The app's own registry, never prometheus_client's global one: two apps in one process
+    # (the tests, the demo) each export their own daemon. process_* reads /proc (Linux).
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(store, clock))
+    registry.register(_BuildInfo())
+    ProcessCollector(registry=registry)
     if events is not None:
         registry.register(events)
     if uploads is not None:
@@ -341,7 +346,8 @@ class _StoreCollector:
         current = build_expiry(snapshot, now)
         remaining = GaugeMetricFamily(
             "esi_sidecar_remaining_seconds",
-            "Seconds until the earliest known deadline (absent when none is known)",
+            "Seconds from this scrape to the earliest known deadline, negative once it has "
+            "passed: /v1/expiry's remaining_seconds (absent when none is known)",
         )
         deadline = GaugeMetricFamily(
             "esi_sidecar_deadline_timestamp_seconds",
@@ -350,18 +356,24 @@ class _StoreCollector:
         if current.expires_at_unix is not None and current.remaining_seconds is not None:
             remaining.add_metric([], current.remaining_seconds)
             deadline.add_metric([], current.expires_at_unix)
-        stale = GaugeMetricFamily("esi_sidecar_stale", "1 when the deadline may be out of date")
+        stale = GaugeMetricFamily(
+            "esi_sidecar_stale", "1 when a running source's last successful poll by this "
+            "process is missing or older than --stale-after (plus the adaptive schedule's "
+            "slack): /v1/expiry's stale")
         stale.add_metric([], 1.0 if current.stale else 0.0)
         polls = CounterMetricFamily(
-            "esi_sidecar_polls", "Polls by source and outcome", labels=["source", "outcome"]
+            "esi_sidecar_polls", "Polls since the daemon started, by source and outcome "
+            "(ok, error, throttled)", labels=["source", "outcome"]
         )
         last_success = GaugeMetricFamily(
             "esi_sidecar_last_success_timestamp_seconds",
-            "Unix time of the last successful poll",
+            "Unix time of the source's last successful poll by this process (absent before "
+            "one)",
             labels=["source"],
         )
         failures = GaugeMetricFamily(
-            "esi_sidecar_consecutive_failures", "Failed polls in a row", labels=["source"]
+            "esi_sidecar_consecutive_failures",
+            "Failed polls of the source since its last success", labels=["source"]
         )
         running = GaugeMetricFamily(
             "esi_sidecar_source_running",
@@ -378,3 +390,15 @@ class _StoreCollector:
         healthy = GaugeMetricFamily("esi_sidecar_healthy", "1 when /healthz answers 200")
         healthy.add_metric([], 1.0 if build_health(snapshot, now).ok else 0.0)
         return [remaining, deadline, stale, polls, last_success, failures, healthy, running]
+
+
+class _BuildInfo:
+    """``esi_sidecar_build_info{version, python} 1``: which release and Python a host runs
+    (joined onto other series with ``* on (instance) group_left(version)``)."""
+
+    def collect(self) -> list[Metric]:
+        info = GaugeMetricFamily("esi_sidecar_build_info",
+                                 "Always 1: the esi-sidecar version and the Python it runs on",
+                                 labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1.0)
+        return [info]

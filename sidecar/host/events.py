@@ -291,42 +291,45 @@ class EventHistory:
 
     def collect(self) -> list[Metric]:
         """Prometheus metrics at scrape time (registered in the API's own registry)."""
-        now = self._clock()
         with self._lock:
             summary = self._summary
             received, dropped = self._received, dict(self._dropped)
             rejected, flagged = dict(self._rejected), dict(self._flagged)
         gauges = []
+        # Times as Unix timestamps, not ages (Prometheus' convention): the age is
+        # time() - the gauge in PromQL, right between scrapes too.
         for name, text, value in (
-            ("last_save_age_seconds", "Seconds since a job on this node last finished a save",
-             None if summary.last_save_at_unix is None
-             else max(0.0, now - summary.last_save_at_unix)),
+            ("last_save_timestamp_seconds", "Unix time a job on this node last finished a "
+             "save", summary.last_save_at_unix),
             ("last_save_step", "Step of the last save a job finished", summary.last_save_step),
-            ("last_save_duration_seconds", "How long that save took", summary.last_save_seconds),
+            ("last_save_duration_seconds", "Seconds that save blocked training (an "
+             "asynchronous save writes on after)", summary.last_save_seconds),
             ("last_durable_step", "Step of the last final or top-up checkpoint a job saw "
              "durable", summary.last_durable_step),
             ("budget_seconds", "The save budget of the job's last decision (step + save + "
              "upload + margin)", summary.budget_seconds),
-            ("remaining_seconds", "Seconds left as the job saw it at its last decision, less "
-             "the time since (compare esi_sidecar_remaining_seconds)", _job_remaining(summary,
-                                                                                      now)),
+            ("deadline_timestamp_seconds", "Unix time of the deadline as the job saw it at "
+             "its last decision (compare esi_sidecar_deadline_timestamp_seconds)",
+             _job_deadline(summary)),
         ):
             gauge = GaugeMetricFamily(f"esi_sidecar_job_{name}", text + " (absent before one)")
             if value is not None:
                 gauge.add_metric([], float(value))
             gauges.append(gauge)
         received_metric = CounterMetricFamily(
-            "esi_sidecar_events_received", "Job events kept in the history")
+            "esi_sidecar_events_received", "Job events accepted: valid and within the rate "
+            "limit (the history keeps the newest; dropped and refused ones are counted apart)")
         received_metric.add_metric([], received)
         dropped_metric = CounterMetricFamily(
-            "esi_sidecar_events_dropped", "Valid job events not kept: over the rate limit",
-            labels=["reason"])
+            "esi_sidecar_events_dropped", "Valid job events not accepted, by reason (rate: "
+            "over the rate limit)", labels=["reason"])
         flagged_metric = CounterMetricFamily(
-            "esi_sidecar_events_flagged", "Job events kept but flagged (a save at an older "
-            "step than the job's last)", labels=["reason"])
+            "esi_sidecar_events_flagged", "Job events accepted but flagged, by reason "
+            "(step-backwards: a save at an older step than the same job and rank's last)",
+            labels=["reason"])
         rejected_metric = CounterMetricFamily(
-            "esi_sidecar_event_requests_rejected", "POST /v1/events refused whole: 422 "
-            "(invalid) or 413 (too-large)", labels=["reason"])
+            "esi_sidecar_event_requests_rejected", "POST /v1/events requests refused whole, "
+            "by reason: invalid (422) or too-large (413)", labels=["reason"])
         for metric, counts in ((dropped_metric, dropped), (flagged_metric, flagged),
                                (rejected_metric, rejected)):
             for reason, count in counts.items():
@@ -369,10 +372,10 @@ class EventHistory:
             self._summary = summary
 
 
-def _job_remaining(summary: Summary, now: float) -> Optional[float]:
+def _job_deadline(summary: Summary) -> Optional[float]:
     if summary.remaining_seconds is None or summary.decision_at_unix is None:
         return None
-    return summary.remaining_seconds - max(0.0, now - summary.decision_at_unix)
+    return summary.decision_at_unix + summary.remaining_seconds
 
 
 def _served_summary(summary: Summary, now: float) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """The Grafana dashboard and the Prometheus alert rules in deploy/: the rules pass
 ``promtool check rules`` and their own ``promtool test rules`` cases (Debian's prometheus
 package), the dashboard is a well-formed Grafana dashboard, and every metric either names
-is exported by a real daemon (with its uploader and a job's events)."""
+is exported by a real daemon (with its uploader and a job's events), whose ``/metrics``
+passes ``promtool check metrics`` and follows the conventions its lint does not check."""
 
 from __future__ import annotations
 
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -16,6 +18,8 @@ from typing import Any
 
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
+
+import sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "esi-sidecar.rules.yml"
@@ -102,8 +106,11 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
-def test_every_metric_the_rules_and_the_dashboard_name_is_exported(tmp_path: Path) -> None:
-    checkpoints, volume = tmp_path / "checkpoints", tmp_path / "volume"
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``/metrics`` of a real daemon with its uploader and a job's events."""
+    root = tmp_path_factory.mktemp("monitoring")
+    checkpoints, volume = root / "checkpoints", root / "volume"
     checkpoints.mkdir()
     volume.mkdir()
     with serve_daemon(sources=("static",), expires_at=str(time.time() + 3600),
@@ -125,7 +132,11 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(tmp_path: Pat
             assert response.status == 202
         wait_for(lambda: get_json(daemon.url + "/v1/uploads")[1]["enabled"] is True)
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as response:
-            exported = exported_names(response.read().decode())
+            return response.read().decode()
+
+
+def test_every_metric_the_rules_and_the_dashboard_name_is_exported(scraped: str) -> None:
+    exported = exported_names(scraped)
     named = set(METRIC.findall(RULES.read_text()))
     for panel in dashboard()["panels"]:
         for target in panel["targets"]:
@@ -133,3 +144,35 @@ def test_every_metric_the_rules_and_the_dashboard_name_is_exported(tmp_path: Pat
     assert len(named) >= 12
     missing = sorted(named - exported)
     assert missing == [], f"named but not exported: {missing}"
+
+
+def test_the_metrics_pass_promtool_check_metrics(scraped: str) -> None:
+    # Its lint: names, units, help present, counters ending in _total.
+    done = subprocess.run([promtool(), "check", "metrics"], input=scraped,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
+
+
+def test_times_are_timestamps_and_the_build_and_process_are_exported(scraped: str) -> None:
+    exported = exported_names(scraped)
+    # Prometheus' convention: when something happened, not how long ago (the dashboard and
+    # the rules take time() - the timestamp).
+    assert not [name for name in exported if name.endswith("_age_seconds")]
+    assert "esi_sidecar_job_last_save_timestamp_seconds" in exported
+    assert "esi_sidecar_job_deadline_timestamp_seconds" in exported
+    build = [line for line in scraped.splitlines()
+             if line.startswith("esi_sidecar_build_info{")]
+    assert build == [f'esi_sidecar_build_info{{python="{platform.python_version()}",'
+                     f'version="{sidecar.__version__}"}} 1.0']
+    if Path("/proc/self/stat").exists():  # the process collector reads /proc (Linux)
+        assert {"process_cpu_seconds_total", "process_resident_memory_bytes",
+                "process_start_time_seconds", "process_open_fds"} <= exported
+
+
+def test_every_family_has_a_help_text_that_says_more_than_its_name(scraped: str) -> None:
+    families = {line.split()[2] for line in scraped.splitlines() if line.startswith("# TYPE ")}
+    helps = dict(line[len("# HELP "):].split(" ", 1) for line in scraped.splitlines()
+                 if line.startswith("# HELP "))
+    assert len([name for name in families if name.startswith("esi_sidecar_")]) >= 25
+    for name in families:
+        assert len(helps.get(name, "")) > len(name.split("_", 2)[-1]), name

@@ -303,20 +303,24 @@ class UploadTracker:
             "esi_sidecar_upload_bytes", "Checkpoint bytes sent to storage (retries included)")
         sent_metric.add_metric([], sent)
         completed_metric = CounterMetricFamily(
-            "esi_sidecar_upload_completed", "Checkpoints uploaded completely (manifest written)")
+            "esi_sidecar_upload_completed", "Checkpoints this daemon uploaded completely "
+            "(manifest written; one found already complete in storage is not counted)")
         completed_metric.add_metric([], completed)
         failure_metric = CounterMetricFamily(
-            "esi_sidecar_upload_failures", "Failed upload attempts and storage calls")
+            "esi_sidecar_upload_failures", "Failed upload attempts and failed storage calls "
+            "outside one")
         failure_metric.add_metric([], failures)
         cumulative, buckets = 0, []
         for bound, count in zip((*map(str, DURATION_BUCKETS), "+Inf"), counts):
             cumulative += count
             buckets.append((bound, cumulative))
         durations = HistogramMetricFamily(
-            "esi_sidecar_upload_duration_seconds", "Time to upload one checkpoint completely",
+            "esi_sidecar_upload_duration_seconds", "Seconds to upload one checkpoint "
+            "completely (those counted in esi_sidecar_upload_completed_total)",
             buckets=buckets, sum_value=total)
         by_state = GaugeMetricFamily(
-            "esi_sidecar_upload_checkpoints", "Local checkpoints by upload state",
+            "esi_sidecar_upload_checkpoints", "Local checkpoints the uploader tracks, by "
+            f"upload state (at most {KEEP_RECORDS}: the oldest finished ones go first)",
             labels=["state"])
         for state in STATES:
             by_state.add_metric([state], sum(r.state == state for r in records))
@@ -325,12 +329,14 @@ class UploadTracker:
             "Step of the newest checkpoint complete in storage (absent before the first)")
         stamp = GaugeMetricFamily(
             "esi_sidecar_upload_last_durable_timestamp_seconds",
-            "Unix time the newest durable checkpoint became complete in storage")
+            "Unix time this daemon found the newest durable checkpoint complete in storage "
+            "(absent before the first)")
         if durable is not None and durable_at is not None:
             step.add_metric([], durable.step)
             stamp.add_metric([], durable_at)
         degraded_metric = GaugeMetricFamily(
-            "esi_sidecar_upload_degraded", "1 while storage calls are failing")
+            "esi_sidecar_upload_degraded", "1 from a failed upload attempt or storage call "
+            "until the next success")
         degraded_metric.add_metric([], 1.0 if degraded else 0.0)
         return [sent_metric, completed_metric, failure_metric, durations, by_state, step, stamp,
                 degraded_metric]
