@@ -5,6 +5,8 @@ excerpts of what a service answered, and why a probe failed."""
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,23 +17,78 @@ from sidecar.host.sources.base import SourceError
 __all__ = ["clip", "probe_failure", "request"]
 
 
+# The request each pool still waits for after its caller gave up on it (a service that
+# trickles), by URL: at most one per URL is left behind, and none is started beside it.
+_HANGING: weakref.WeakKeyDictionary[Any, dict[str, threading.Thread]] = (
+    weakref.WeakKeyDictionary())
+_HANGING_LOCK = threading.Lock()
+# Beyond the connect and read timeouts, the slack a whole answer may take.
+WHOLE_REQUEST_SLACK_SECONDS = 1.0
+
+
 def request(http: urllib3.PoolManager, method: str, url: str, *, place: str, cloud: str,
             timeout: urllib3.Timeout, **options: Any) -> Any:
     """``http.request`` without redirects, its failures as one line naming ``place``; a
-    host that cannot reach the service is asked whether it runs on ``cloud`` at all."""
+    host that cannot reach the service is asked whether it runs on ``cloud`` at all.
+
+    The whole request is bounded (connect + read timeout + 1 s): urllib3's timeouts bound
+    each socket read, so a service that trickles a byte every half second would hold the
+    source's poll forever and a real notice behind it would be missed (issue 22). The
+    request runs in a thread; one that overruns is left to end by itself, and no new
+    request to that URL starts until it has."""
+    with _HANGING_LOCK:
+        pending = _HANGING.setdefault(http, {})
+        previous = pending.get(url)
+        if previous is not None and previous.is_alive():
+            raise SourceError(f"{place}: the previous request has not ended yet "
+                              "(the service trickles its answer)")
+        outcome: dict[str, Any] = {}
+        worker = threading.Thread(
+            target=_request_into, args=(outcome, http, method, url, timeout, options),
+            name="esi-sidecar-metadata", daemon=True)
+        pending[url] = worker
+    worker.start()
+    bound = (_seconds(timeout.connect_timeout) + _seconds(timeout.read_timeout)
+             + WHOLE_REQUEST_SLACK_SECONDS)
+    worker.join(bound)
+    if worker.is_alive():
+        raise SourceError(f"{place}: no whole answer within {bound:g} s "
+                          "(the service trickles its answer)")
+    if "error" in outcome:
+        raise _one_line(outcome["error"], place, cloud, timeout) from None
+    return outcome["response"]
+
+
+def _seconds(value: Any) -> float:
+    """A urllib3 timeout part in seconds (0 when unset or urllib3's default sentinel)."""
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _request_into(outcome: dict[str, Any], http: urllib3.PoolManager, method: str, url: str,
+                  timeout: urllib3.Timeout, options: dict[str, Any]) -> None:
+    try:
+        outcome["response"] = http.request(method, url, timeout=timeout, preload_content=True,
+                                           redirect=False, **options)
+    except Exception as exc:  # handed to the caller's thread
+        outcome["error"] = exc
+
+
+def _one_line(exc: Exception, place: str, cloud: str, timeout: urllib3.Timeout) -> Exception:
+    """A failed request as one SourceError line."""
     import urllib3  # lazily: the settings table imports every source module
     try:
-        return http.request(method, url, timeout=timeout, preload_content=True,
-                            redirect=False, **options)
+        raise exc
     except urllib3.exceptions.NewConnectionError:  # before its base class, the timeout
-        raise SourceError(f"{place}: cannot connect: not on {cloud}?") from None
+        return SourceError(f"{place}: cannot connect: not on {cloud}?")
     except urllib3.exceptions.ConnectTimeoutError:
-        raise SourceError(f"{place}: connect timed out ({timeout.connect_timeout:g} s): "
-                          f"not on {cloud}?") from None
+        return SourceError(f"{place}: connect timed out ({timeout.connect_timeout:g} s): "
+                           f"not on {cloud}?")
     except urllib3.exceptions.ReadTimeoutError:
-        raise SourceError(f"{place}: no answer within {timeout.read_timeout:g} s") from None
-    except urllib3.exceptions.HTTPError as exc:
-        raise SourceError(f"{place}: {type(exc).__name__}") from None
+        return SourceError(f"{place}: no answer within {timeout.read_timeout:g} s")
+    except urllib3.exceptions.HTTPError as error:
+        return SourceError(f"{place}: {type(error).__name__}")
+    except Exception as error:
+        return error
 
 
 def clip(value: Any, limit: int = 120) -> str:
