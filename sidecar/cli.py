@@ -1,4 +1,4 @@
-"""``esi-sidecar``: serve, status, check, env, emulate, restore, demo, simulate.
+"""``esi-sidecar``: serve, status, check, env, emulate, restore, run, demo, simulate.
 
 ``serve``, ``emulate`` and ``demo`` need the ``[server]`` extra and ``restore`` from S3 the
 ``[upload]`` extra (from a mounted volume, nothing more); ``status``,
@@ -413,8 +413,8 @@ def _serve_until_interrupted(emulator: Any) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     """Fetch the newest complete remote checkpoint into a folder (docs/upload.md)."""
     from sidecar.host.settings import RESTORE_FLAGS, ConfigError, load_settings, storage_options
-    from sidecar.host.upload.location import parse_destination  # standard library only
-    from sidecar.host.upload.volume import RestoreError, restore_from_volume
+    from sidecar.host.upload.fetch import restore_newest  # boto3 only for s3://
+    from sidecar.host.upload.volume import RestoreError
 
     try:
         settings = load_settings(vars(args), flags=RESTORE_FLAGS)
@@ -425,24 +425,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print("esi-sidecar restore: give --from s3://BUCKET/PREFIX (or file:///PATH) and --to "
               "DIR (or set ESI_SIDECAR_UPLOAD_TO and ESI_SIDECAR_UPLOAD_FROM)", file=sys.stderr)
         return EXIT_USAGE
-    where = parse_destination(settings.upload_to)
-    target = Path(settings.upload_from)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        if isinstance(where, Path):  # a mounted volume: no boto3 needed
-            restored = restore_from_volume(where, target, step=args.step,
-                                           verify_checksums=not args.no_verify)
-        else:
-            try:
-                from sidecar.host.upload.restore import restore
-                from sidecar.host.upload.storage import StorageConfig
-            except ImportError as exc:  # pragma: no cover - depends on the install
-                print(f"esi-sidecar restore: needs boto3 ({exc.name} is missing): "
-                      "pip install 'esi-sidecar[upload]'", file=sys.stderr)
-                return EXIT_USAGE
-            restored = restore(StorageConfig(**storage_options(settings)), where, target,
-                               step=args.step, verify_checksums=not args.no_verify)
+        restored = restore_newest(settings.upload_to, Path(settings.upload_from),
+                                  storage_options(settings), step=args.step,
+                                  verify_checksums=not args.no_verify)
     except RestoreError as exc:
         print(f"esi-sidecar restore: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -630,6 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("-v", "--verbose", action="store_true", help="log progress")
     restore.set_defaults(func=cmd_restore)
 
+    from sidecar.host.launch import add_run_command  # standard library only
+
+    add_run_command(commands)  # esi-sidecar run: restore, then the training command
     from sidecar.tools.demo.run import add_demo_command
     from sidecar.tools.simulate.command import add_simulate_command
 
