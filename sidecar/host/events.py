@@ -399,7 +399,7 @@ class EventHistory:
     def load(self, section: Any) -> None:
         """Load a section written by :meth:`dump`; ValueError naming the first bad field.
         All or nothing, and only into an empty history. A section without ``jobs`` (written
-        before issue 22) gives its summary's job as the one job known."""
+        before issue 22) has them rebuilt from its history, its summary's job as saved."""
         if not isinstance(section, dict):
             raise ValueError("not an object")
         if section.get("version") != STATE_VERSION:
@@ -410,7 +410,7 @@ class EventHistory:
         try:
             stored = _STORED.validate_python(section.get("history", []))
             summary = Summary.model_validate(section.get("summary", {}))
-            jobs = _JOBS.validate_python(section.get("jobs", [summary] if summary.job else []))
+            jobs = _JOBS.validate_python(section.get("jobs", []))
         except ValidationError as exc:
             raise ValueError(_first_problem(exc)) from None
         for index, job in enumerate(jobs):
@@ -431,9 +431,25 @@ class EventHistory:
             while len(self._last_steps) > MAX_TRACKED_JOBS:
                 self._last_steps.popitem(last=False)
             self._jobs = OrderedDict((job.job, job) for job in jobs if job.job is not None)
+            if "jobs" not in section:
+                self._rebuild_jobs(summary)
             saved = summary.last_save_at_unix is not None or (
                 summary.last_durable_at_unix is not None)
-            self._featured = summary.job if saved else None
+            self._featured = summary.job if saved else self._featured
+
+    def _rebuild_jobs(self, summary: Summary) -> None:
+        """The jobs' states of a section written before they were kept: from its history,
+        and its summary as its job's."""
+        for record in self._events:
+            state = self._jobs.pop(record["job"], None) or Summary()
+            self._jobs[record["job"]] = _summarised(state, record)
+            if carries_a_save(record["kind"], record.get("save")):
+                self._featured = record["job"]
+        if summary.job is not None:
+            self._jobs.pop(summary.job, None)
+            self._jobs[summary.job] = summary
+        while len(self._jobs) > MAX_TRACKED_JOBS:
+            self._jobs.popitem(last=False)
 
 
 def _summarised(summary: Summary, record: dict[str, Any]) -> Summary:
