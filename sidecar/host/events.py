@@ -8,20 +8,25 @@ and exports the summary to ``/metrics``. Events are the job's word, shown, never
 nothing here reaches the store, so no event can move the deadline (issue 14, item 1).
 
 Bounded everywhere: a request body of at most 64 KiB and 100 events, strings of at most a
-few hundred characters (longer is a 422, not a truncation), a token bucket per daemon
-beyond which events are dropped and counted, a history of 500 events and the last step of
-at most 64 (job, rank) pairs.
+few hundred characters (longer is a 422, not a truncation), token buckets per job and per
+peer beyond which events are dropped and counted, a history of 500 events, the last state
+of at most 64 jobs and the last step of at most 64 (job, rank) pairs. The events that carry
+a save or durability are never rate-limited with the rest (a bucket of their own per job,
+far above what a guard sends), and a full history gives up an event of the job that holds
+the most, so a flood by one job pushes out its own events, not another's (issue 22).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import reprlib
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any, Callable, Literal, Optional
 
 from fastapi import FastAPI, Query, Request
@@ -39,6 +44,8 @@ from pydantic import (
     model_validator,
 )
 
+from sidecar.host.connections import HEADER_TIMEOUT_SECONDS
+from sidecar.host.event_limits import KeyedBuckets
 from sidecar.host.query import digits
 
 __all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes"]
@@ -50,13 +57,25 @@ KINDS = ("step-estimate", "save-started", "save-finished", "durable", "not-durab
 HISTORY_LENGTH = 500
 MAX_EVENTS_PER_REQUEST = 100
 MAX_BODY_BYTES = 64 * 1024
+# A body over MAX_BODY_BYTES is read to its end, up to this, and thrown away before the
+# 413, so that a client still sending can read the answer (closing on unread bytes resets
+# the connection); a longer one is not read: the connection closes (issue 22).
+MAX_DISCARDED_BYTES = 16 * 1024 * 1024
+DISCARD_SECONDS = HEADER_TIMEOUT_SECONDS  # the time the rest of such a body may take
 MAX_LIMIT = HISTORY_LENGTH
-# Per daemon, not per job: the history is this node's, and a flood from one process must
-# not push out what the others said. A guard sends a few events per save and one estimate
-# every 30 s per rank, far below this.
+# Per job and per peer (the client's address): one process flooding must not spend the
+# others' allowance. A guard sends a few events per save and one estimate every 30 s per
+# rank, far below this. On loopback every local process is one peer: its bucket is wider.
 RATE_PER_SECOND = 20.0
 BURST_EVENTS = 200.0
-MAX_TRACKED_JOBS = 64  # (job, rank) pairs whose last step is remembered
+PEER_FACTOR = 4.0  # a peer's bucket, in jobs' buckets
+# The events that carry a save or durability skip those buckets: a bucket of their own per
+# job, a few saves a minute at most from a guard.
+SAVE_RATE_PER_SECOND = 1.0
+SAVE_BURST_EVENTS = 50.0
+SAVE_KINDS = ("save-finished", "durable", "not-durable")
+MAX_TRACKED_JOBS = 64  # jobs whose last state is kept; (job, rank) pairs whose last step
+MAX_TRACKED_PEERS = 256  # peers, and jobs, with a rate bucket
 EVENTS_STATE_KEY = "events"
 STATE_VERSION = 1
 # A time on the daemon's clock: between 2000 and the year 5138, and an event's own time
@@ -157,20 +176,13 @@ _STATES: dict[str, JobState] = {"save-started": "saving", "save-finished": "trai
                                 "waiting": "waiting", "resumed": "training", "stop": "stopped"}
 
 
-class _TokenBucket:
-    def __init__(self, rate: float, burst: float, monotonic: Callable[[], float]) -> None:
-        self._rate, self._burst, self._monotonic = rate, burst, monotonic
-        self._tokens = burst
-        self._at = monotonic()
+_JOBS = TypeAdapter(Annotated[list[Summary], Field(max_length=MAX_TRACKED_JOBS)])
 
-    def take(self) -> bool:
-        now = self._monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
+
+def carries_a_save(kind: str, save: Optional[str]) -> bool:
+    """A save, a durable checkpoint or its loss, or the final or top-up save starting:
+    what a job's summary must never miss."""
+    return kind in SAVE_KINDS or save in ("final", "top-up")
 
 
 class EventHistory:
@@ -200,10 +212,18 @@ class EventHistory:
         self._lock = threading.Lock()
         self._clock = clock
         self._on_change = on_change
-        self._events: deque[dict[str, Any]] = deque(maxlen=length)
-        self._summary = Summary()
+        self._length = length
+        self._events: deque[dict[str, Any]] = deque()  # oldest first, at most length
+        self._held: dict[str, int] = {}  # events in the history per job, oldest job first
+        self._jobs: OrderedDict[str, Summary] = OrderedDict()  # least recently heard first
+        self._featured: Optional[str] = None  # the job of the newest save or durability
         self._last_steps: OrderedDict[tuple[str, Optional[int]], int] = OrderedDict()
-        self._bucket = _TokenBucket(rate_per_second, burst, monotonic)
+        self._job_buckets: KeyedBuckets[str] = KeyedBuckets(
+            rate_per_second, burst, MAX_TRACKED_PEERS, monotonic)
+        self._peer_buckets: KeyedBuckets[Optional[str]] = KeyedBuckets(
+            rate_per_second * PEER_FACTOR, burst * PEER_FACTOR, MAX_TRACKED_PEERS, monotonic)
+        self._save_buckets: KeyedBuckets[str] = KeyedBuckets(
+            SAVE_RATE_PER_SECOND, SAVE_BURST_EVENTS, MAX_TRACKED_PEERS, monotonic)
         self._received = 0
         self._dropped = {"rate": 0}
         self._rejected = {"invalid": 0, "too-large": 0}
@@ -211,13 +231,15 @@ class EventHistory:
 
     # ------------------------------------------------------------------ writers
 
-    def add(self, events: Iterable[JobEvent], now: Optional[float] = None) -> dict[str, int]:
-        """Keep validated events, oldest first, within the rate; the counts of each fate."""
+    def add(self, events: Iterable[JobEvent], now: Optional[float] = None,
+            peer: Optional[str] = None) -> dict[str, int]:
+        """Keep validated events, oldest first, within the rates of their job and of the
+        ``peer`` that sent them (its address); the counts of each fate."""
         now = self._clock() if now is None else now
         accepted = dropped = flagged = 0
         with self._lock:
             for event in events:
-                if not self._bucket.take():
+                if not self._admit(event, peer):
                     dropped += 1
                     continue
                 record = event.model_dump(exclude_none=True)
@@ -227,8 +249,7 @@ class EventHistory:
                 if flag is not None:
                     record["flag"] = flag
                     flagged += 1
-                self._events.append(record)
-                self._summarise(record)
+                self._keep(record, saved=carries_a_save(event.kind, event.save))
                 accepted += 1
             self._received += accepted
             self._dropped["rate"] += dropped
@@ -236,6 +257,55 @@ class EventHistory:
         if accepted and self._on_change is not None:
             self._on_change()
         return {"accepted": accepted, "dropped": dropped, "flagged": flagged}
+
+    def _admit(self, event: JobEvent, peer: Optional[str]) -> bool:
+        """Whether the event is within its rates: a save or durability its job's bucket of
+        those; any other both its job's bucket and its peer's."""
+        if carries_a_save(event.kind, event.save):
+            return self._save_buckets.bucket(event.job).take()
+        job, sender = self._job_buckets.bucket(event.job), self._peer_buckets.bucket(peer)
+        if not (job.ready() and sender.ready()):
+            return False
+        job.spend()
+        sender.spend()
+        return True
+
+    def _keep(self, record: dict[str, Any], saved: bool) -> None:
+        """Into the history and the job's state. A full history gives up one event of the
+        job holding the most: its oldest without a save, else its oldest."""
+        job = record["job"]
+        self._events.append(record)
+        self._held[job] = self._held.get(job, 0) + 1
+        while len(self._events) > self._length:
+            self._give_up(max(self._held, key=self._held.__getitem__))
+        state = self._jobs.pop(job, None) or Summary()
+        self._jobs[job] = _summarised(state, record)
+        while len(self._jobs) > MAX_TRACKED_JOBS:
+            self._jobs.popitem(last=False)
+        if saved:
+            self._featured = job
+
+    def _give_up(self, job: str) -> None:
+        first = None
+        for index, record in enumerate(self._events):
+            if record["job"] == job:
+                if first is None:
+                    first = index
+                if not carries_a_save(record["kind"], record.get("save")):
+                    first = index
+                    break
+        assert first is not None  # the job holds an event: _held counts them
+        del self._events[first]
+        self._held[job] -= 1
+        if not self._held[job]:
+            del self._held[job]
+
+    def _summary(self) -> Summary:
+        """The summary served and exported: the job of the newest save or durability (a
+        flood of other events by another job cannot take it), else the newest heard."""
+        if self._featured is not None and self._featured in self._jobs:
+            return self._jobs[self._featured]
+        return next(reversed(self._jobs.values()), Summary())
 
     def reject(self, reason: str) -> None:
         """Count a request refused whole (422: ``invalid``, 413: ``too-large``)."""
@@ -256,25 +326,6 @@ class EventHistory:
             return f"step went backwards: {event.step} after {last}"
         return None
 
-    def _summarise(self, record: dict[str, Any]) -> None:
-        summary = self._summary.model_copy()
-        kind, at = record["kind"], record["at_unix"]
-        summary.job, summary.rank, summary.last_event_at_unix = (
-            record["job"], record.get("rank"), at)
-        summary.state = _STATES.get(kind, summary.state)
-        if kind == "save-finished":
-            summary.last_save_step = record.get("step")
-            summary.last_save = record.get("save")
-            summary.last_save_at_unix, summary.last_save_seconds = at, record["seconds"]
-        elif kind == "durable" and record.get("step") is not None:
-            summary.last_durable_step, summary.last_durable_at_unix = record["step"], at
-        if "remaining_seconds" in record:
-            summary.remaining_seconds, summary.decision_at_unix = record["remaining_seconds"], at
-        for field in ("step_seconds", "save_seconds", "budget_seconds"):
-            if field in record:
-                setattr(summary, field, record[field])
-        self._summary = summary
-
     # ------------------------------------------------------------------ readers
 
     def body(self, limit: int = 100, now: Optional[float] = None) -> dict[str, Any]:
@@ -282,17 +333,19 @@ class EventHistory:
         now = self._clock() if now is None else now
         with self._lock:
             newest = [dict(e) for e in list(reversed(self._events))[: max(0, limit)]]
-            length, summary = len(self._events), self._summary
+            length, summary = len(self._events), self._summary()
+            jobs = list(reversed(self._jobs.values()))
             counts = {"received_total": self._received, "dropped": dict(self._dropped),
                       "rejected": dict(self._rejected), "flagged": dict(self._flagged)}
         return {"summary": _served_summary(summary, now), "events": newest,
-                "history_length": length, "history_capacity": self._events.maxlen,
+                "jobs": [_served_summary(job, now) for job in jobs],
+                "history_length": length, "history_capacity": self._length,
                 **counts, "server_time_unix": now}
 
     def collect(self) -> list[Metric]:
         """Prometheus metrics at scrape time (registered in the API's own registry)."""
         with self._lock:
-            summary = self._summary
+            summary = self._summary()
             received, dropped = self._received, dict(self._dropped)
             rejected, flagged = dict(self._rejected), dict(self._flagged)
         gauges = []
@@ -339,37 +392,88 @@ class EventHistory:
     # ------------------------------------------------------------------ state file
 
     def dump(self) -> dict[str, Any]:
-        """The state file's ``events`` section: the history and the summary."""
+        """The state file's ``events`` section: the history, the summary and the state of
+        each job (least recently heard first)."""
         with self._lock:
             return {"version": STATE_VERSION, "history": list(self._events),
-                    "summary": self._summary.model_dump(exclude_none=True)}
+                    "summary": self._summary().model_dump(exclude_none=True),
+                    "jobs": [job.model_dump(exclude_none=True) for job in self._jobs.values()]}
 
     def load(self, section: Any) -> None:
         """Load a section written by :meth:`dump`; ValueError naming the first bad field.
-        All or nothing, and only into an empty history."""
+        All or nothing, and only into an empty history. A section without ``jobs`` (written
+        before issue 22) has them rebuilt from its history, its summary's job as saved."""
         if not isinstance(section, dict):
             raise ValueError("not an object")
         if section.get("version") != STATE_VERSION:
             raise ValueError(f"unknown version {reprlib.repr(section.get('version'))}")
-        unknown = set(section) - {"version", "history", "summary"}
+        unknown = set(section) - {"version", "history", "summary", "jobs"}
         if unknown:
             raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
         try:
             stored = _STORED.validate_python(section.get("history", []))
             summary = Summary.model_validate(section.get("summary", {}))
+            jobs = _JOBS.validate_python(section.get("jobs", []))
         except ValidationError as exc:
             raise ValueError(_first_problem(exc)) from None
+        for index, job in enumerate(jobs):
+            if job.job is None:
+                raise ValueError(f"jobs[{index}].job: missing")
         with self._lock:
-            if self._events:
+            if self._events or self._jobs:
                 return
             for event in stored:
-                self._events.append(event.model_dump(exclude_none=True))
+                record = event.model_dump(exclude_none=True)
+                self._events.append(record)
+                self._held[event.job] = self._held.get(event.job, 0) + 1
                 if event.step is not None and event.kind in ("save-started", "save-finished"):
                     key = (event.job, event.rank)
                     self._last_steps[key] = max(event.step, self._last_steps.pop(key, 0))
+            while len(self._events) > self._length:
+                self._give_up(max(self._held, key=self._held.__getitem__))
             while len(self._last_steps) > MAX_TRACKED_JOBS:
                 self._last_steps.popitem(last=False)
-            self._summary = summary
+            self._jobs = OrderedDict((job.job, job) for job in jobs if job.job is not None)
+            if "jobs" not in section:
+                self._rebuild_jobs(summary)
+            saved = summary.last_save_at_unix is not None or (
+                summary.last_durable_at_unix is not None)
+            self._featured = summary.job if saved else self._featured
+
+    def _rebuild_jobs(self, summary: Summary) -> None:
+        """The jobs' states of a section written before they were kept: from its history,
+        and its summary as its job's."""
+        for record in self._events:
+            state = self._jobs.pop(record["job"], None) or Summary()
+            self._jobs[record["job"]] = _summarised(state, record)
+            if carries_a_save(record["kind"], record.get("save")):
+                self._featured = record["job"]
+        if summary.job is not None:
+            self._jobs.pop(summary.job, None)
+            self._jobs[summary.job] = summary
+        while len(self._jobs) > MAX_TRACKED_JOBS:
+            self._jobs.popitem(last=False)
+
+
+def _summarised(summary: Summary, record: dict[str, Any]) -> Summary:
+    """A job's state after one more of its events."""
+    summary = summary.model_copy()
+    kind, at = record["kind"], record["at_unix"]
+    summary.job, summary.rank, summary.last_event_at_unix = (
+        record["job"], record.get("rank"), at)
+    summary.state = _STATES.get(kind, summary.state)
+    if kind == "save-finished":
+        summary.last_save_step = record.get("step")
+        summary.last_save = record.get("save")
+        summary.last_save_at_unix, summary.last_save_seconds = at, record["seconds"]
+    elif kind == "durable" and record.get("step") is not None:
+        summary.last_durable_step, summary.last_durable_at_unix = record["step"], at
+    if "remaining_seconds" in record:
+        summary.remaining_seconds, summary.decision_at_unix = record["remaining_seconds"], at
+    for field in ("step_seconds", "save_seconds", "budget_seconds"):
+        if field in record:
+            setattr(summary, field, record[field])
+    return summary
 
 
 def _job_deadline(summary: Summary) -> Optional[float]:
@@ -398,25 +502,46 @@ def _where(loc: tuple[Any, ...]) -> str:
     return text.lstrip(".") or "body"
 
 
-def _refused(status: int, message: str, detail: Optional[list[Any]] = None) -> Response:
+def _refused(status: int, message: str, detail: Optional[list[Any]] = None,
+             close: bool = False) -> Response:
     # The shape of the API's other 422s: one line naming the field, then pydantic's list.
     body = {"error": message, "detail": detail or []}
     return Response(json.dumps(body, separators=(",", ":")), status_code=status,
-                    media_type="application/json")
+                    media_type="application/json",
+                    headers={"Connection": "close"} if close else None)
 
 
 async def _read_body(request: Request) -> Optional[bytes]:
-    """The request body, or None when it is larger than MAX_BODY_BYTES (read no further)."""
+    """The request body, or None when it is larger than MAX_BODY_BYTES: then the rest is
+    read and thrown away, up to MAX_DISCARDED_BYTES within DISCARD_SECONDS, and no further
+    (a declared length over that is not read at all)."""
     declared = request.headers.get("content-length", "")
+    stream = request.stream()  # one stream: Starlette's request gives only one
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        if int(declared) <= MAX_DISCARDED_BYTES:
+            await _discard(stream, 0)
         return None
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in stream:
         size += len(chunk)
         if size > MAX_BODY_BYTES:
+            await _discard(stream, size)
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _discard(stream: AsyncIterator[bytes], size: int) -> None:
+    """Read the rest of the body and drop it, while it stays within the bounds."""
+    async def read_rest() -> None:
+        nonlocal size
+        async for chunk in stream:
+            size += len(chunk)
+            if size > MAX_DISCARDED_BYTES:
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read_rest(), DISCARD_SECONDS)
 
 
 # Documented by hand: the body is read here, capped, before pydantic sees it (FastAPI's own
@@ -445,7 +570,8 @@ def add_event_routes(app: FastAPI, history: EventHistory,
         raw = await _read_body(request)
         if raw is None:
             history.reject("too-large")
-            return _refused(413, f"body: more than {MAX_BODY_BYTES} bytes")
+            # Closed after the answer: the rest of a body, if any, is never read.
+            return _refused(413, f"body: more than {MAX_BODY_BYTES} bytes", close=True)
         now = clock()
         batch = raw.lstrip()[:1] == b"["
         try:
@@ -455,7 +581,8 @@ def add_event_routes(app: FastAPI, history: EventHistory,
             detail = exc.errors(include_url=False, include_input=False, include_context=False)
             problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in detail[:5])
             return _refused(422, problems, [dict(e) for e in detail[:20]])
-        counts = history.add(events if isinstance(events, list) else [events], now)
+        peer = None if request.client is None else request.client.host
+        counts = history.add(events if isinstance(events, list) else [events], now, peer)
         return Response(json.dumps(counts, separators=(",", ":")), status_code=202,
                         media_type="application/json")
 
