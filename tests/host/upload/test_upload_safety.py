@@ -276,7 +276,7 @@ def test_restore_refuses_links_on_the_volume_and_takes_the_newest_valid_one(
 
 
 def test_a_file_swapped_for_a_link_is_never_uploaded_to_s3(tmp_path: Path) -> None:
-    support = pytest.importorskip("test_upload_support")
+    support = pytest.importorskip("upload_support")
     from sidecar.host.upload.location import S3Location
     from sidecar.host.upload.transfer import upload_checkpoint
 
