@@ -140,14 +140,14 @@ def bounded_get(url: str, seconds: float) -> tuple[int, str]:
                           ) from None
     except (OSError, HTTPException) as exc:
         if expired.is_set() or isinstance(exc, (TimeoutError, socket.timeout)):
-            raise SourceError(f"metadata service {url}: no complete answer within "
+            raise SourceError(f"metadata service {url}: no answer within "
                               f"{seconds:g} s") from None
         raise SourceError(f"metadata service {url}: {type(exc).__name__}") from None
     finally:
         timer.cancel()
         connection.close()
     if expired.is_set():  # cut mid-body: what came is not the whole answer
-        raise SourceError(f"metadata service {url}: no complete answer within {seconds:g} s")
+        raise SourceError(f"metadata service {url}: no answer within {seconds:g} s")
     if len(body) > MAX_BODY:
         raise SourceError(f"metadata service {url}: answer longer than {MAX_BODY} bytes: "
                           f"{clip(body.decode('utf-8', 'replace'))}")
@@ -181,7 +181,7 @@ def probe(config: VolcengineSpotConfig, timeout: float) -> Optional[str]:
     try:
         status, body = bounded_get(url, timeout)
     except SourceError as exc:
-        return f"no ECS metadata service: {exc}"
+        return f"no ECS metadata service at {url} ({str(exc).split(url + ': ', 1)[-1]})"
     if status != 200:
         return f"no ECS metadata service at {url} (HTTP {status})"
     if not _INSTANCE_ID.match(body):
