@@ -365,6 +365,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     print(f"Spot reclaim:      curl -X POST {url}/_emulator/event "
           "-d '{\"type\": \"SpotInstanceInterruption_Delete\"}'")
     print("  (the daemon reads system events with --source volcengine-esi,volcengine-events)")
+    print(f"Spot notice:       curl -X POST {url}/_emulator/spot -d '{{\"in_seconds\": 300}}'")
+    print("  (served at /latest/spot_instance_termination_time; --source volcengine-spot; "
+          f"withdraw it: curl -X DELETE {url}/_emulator/spot)")
     return _serve_until_interrupted(emulator)
 
 

@@ -22,6 +22,7 @@ __all__ = ["SOURCES", "auto_candidates", "canonical_name", "create_source", "pro
 SOURCES: dict[str, str] = {
     "volcengine-esi": "sidecar.host.sources.volcengine",
     "volcengine-events": "sidecar.host.sources.volcengine_events",
+    "volcengine-spot": "sidecar.host.sources.volcengine_spot",
     "aws": "sidecar.host.sources.aws",
     "gcp": "sidecar.host.sources.gcp",
     "azure": "sidecar.host.sources.azure",

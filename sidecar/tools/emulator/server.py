@@ -5,7 +5,8 @@ service and a small control API for tests and the demo.
     /?Action=DescribeScheduledInstances&...&ScheduledInstanceIds.1=...
     /?Action=DescribeSystemEvents&...&ResourceIds.1=...                 system events
     /latest/instance_id, /latest/region_id                              metadata (text)
-    /_emulator/state | release | fault | event                          control (JSON)
+    /latest/spot_instance_termination_time          404, or the reclaim time (text)
+    /_emulator/state | release | fault | event | spot                   control (JSON)
 
 Standard library only. ``Emulator.start()`` serves on a daemon thread and returns;
 ``stop()`` shuts the server down and wakes any request held by a ``slow`` fault.
@@ -18,7 +19,9 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple, Optional
 from urllib.parse import parse_qsl, urlsplit
@@ -43,6 +46,7 @@ logger = logging.getLogger("sidecar.tools.emulator")
 DEFAULT_ACCESS_KEY = "AKLTemulator00000000"
 DEFAULT_SECRET_KEY = "emulator-secret-key"
 _MAX_BODY = 1 << 20
+SPOT_PATH = "/latest/spot_instance_termination_time"
 
 _SIGNATURE_MISMATCH = (
     "The request signature we calculated does not match the signature you provided. "
@@ -66,6 +70,7 @@ class _Reply(NamedTuple):
     status: int
     body: bytes
     content_type: str = "application/json"
+    byte_seconds: float = 0.0  # > 0: sent a byte at a time, this long apart (a trickle)
 
 
 def _json_reply(status: int, body: Any) -> _Reply:
@@ -172,7 +177,9 @@ class Emulator:
         SignatureDoesNotMatch), ``malformed-json`` (200, body cut in half), ``slow``.
         DescribeScheduledInstances: ``bad-release`` ("not-a-time"), ``empty-release`` ("").
         DescribeInstances: ``non-esi`` (no ScheduledInstanceId). Metadata paths:
-        ``metadata-down`` (500). Unknown kinds raise ValueError.
+        ``metadata-down`` (500). The spot path only: ``spot-down`` (500),
+        ``spot-garbage`` (200, an HTML page), ``spot-slow`` (no answer for ``delay`` s),
+        ``spot-trickle`` (a byte every ``delay`` s). Unknown kinds raise ValueError.
         """
         self._state.add_fault(kind, count, delay)
 
@@ -200,6 +207,21 @@ class Emulator:
             event_id, resource_id or self.instance_id, event_type, status,
             created_at=release_in(-created_ago), operated_start_at=operated))
         return event_id
+
+    def raise_spot_notice(self, in_seconds: float = 300.0, *,
+                          text: Optional[str] = None) -> str:
+        """Serve a spot reclaim at /latest/spot_instance_termination_time: ``in_seconds``
+        from now in UTC, as the ECS guide shows it (``2026-12-01T10:00:00Z``), or ``text``
+        verbatim (another format, or garbage). Returns what is served."""
+        if text is None:
+            text = datetime.fromtimestamp(math.floor(time.time() + in_seconds),
+                                          timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._state.set_spot_termination_time(text)
+        return text
+
+    def clear_spot_notice(self) -> None:
+        """The spot path answers 404 again."""
+        self._state.set_spot_termination_time(None)
 
     def set_event_status(self, event_id: str, status: str) -> None:
         self._state.update_event(event_id, Status=status)
@@ -300,10 +322,26 @@ class Emulator:
             return _text_reply(405, "method not allowed\n")
         if any(f.kind == "metadata-down" for f in self._state.take_faults("metadata")):
             return _text_reply(500, "Internal Server Error\n")
+        if path == SPOT_PATH:
+            return self._answer_spot()
         values = {"/latest/instance_id": self.instance_id, "/latest/region_id": self.region}
         if path not in values:
             return _text_reply(404, "Not Found\n")
         return _text_reply(200, values[path])
+
+    def _answer_spot(self) -> _Reply:
+        faults = {fault.kind: fault for fault in self._state.take_faults("spot")}
+        if "spot-slow" in faults:
+            self._stopping.wait(faults["spot-slow"].delay)
+        if "spot-down" in faults:
+            return _text_reply(500, "Internal Server Error\n")
+        if "spot-garbage" in faults:
+            return _Reply(200, b"<html><body>Service Unavailable</body></html", "text/html")
+        text = self._state.spot_termination_time
+        reply = _text_reply(404, "Not Found\n") if text is None else _text_reply(200, text)
+        if "spot-trickle" in faults:
+            reply = reply._replace(byte_seconds=faults["spot-trickle"].delay or 0.5)
+        return reply
 
     def answer_control(self, method: str, path: str, body: bytes) -> _Reply:
         route = path.rstrip("/")
@@ -317,7 +355,11 @@ class Emulator:
         if route == "/_emulator/event" and method == "DELETE":
             self.clear_events()
             return _json_reply(200, self.snapshot())
-        if route not in ("/_emulator/release", "/_emulator/fault", "/_emulator/event"):
+        if route == "/_emulator/spot" and method == "DELETE":
+            self.clear_spot_notice()
+            return _json_reply(200, self.snapshot())
+        if route not in ("/_emulator/release", "/_emulator/fault", "/_emulator/event",
+                         "/_emulator/spot"):
             return _control_error(404, f"no control endpoint {path!r}")
         if method != "POST":
             return _control_error(405, f"use POST {route}")
@@ -332,6 +374,8 @@ class Emulator:
                 self._control_release(request)
             elif route == "/_emulator/event":
                 self._control_event(request)
+            elif route == "/_emulator/spot":
+                self._control_spot(request)
             else:
                 self._control_fault(request)
         except ValueError as exc:
@@ -367,6 +411,21 @@ class Emulator:
         self.raise_event(request.get("type") or "SpotInstanceInterruption_Delete",
                          in_seconds=seconds, status=request.get("status") or "Scheduled",
                          resource_id=request.get("resource_id"))
+
+    def _control_spot(self, request: Mapping[str, Any]) -> None:
+        unknown = set(request) - {"in_seconds", "termination_time"}
+        if unknown or len(request) > 1:
+            raise ValueError('give {"in_seconds": 300}, {"termination_time": "..."} or {}')
+        if "termination_time" in request:
+            if not isinstance(request["termination_time"], str):
+                raise ValueError("termination_time must be a string")
+            self.raise_spot_notice(text=request["termination_time"])
+            return
+        seconds = request.get("in_seconds", 300.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                math.isfinite(seconds)):
+            raise ValueError(f"in_seconds must be a finite number, got {seconds!r}")
+        self.raise_spot_notice(seconds)
 
     def _control_fault(self, request: Mapping[str, Any]) -> None:
         unknown = set(request) - {"kind", "count", "delay"}
@@ -428,10 +487,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", reply.content_type)
             self.send_header("Content-Length", str(len(reply.body)))
             self.end_headers()
-            self.wfile.write(reply.body)
+            if reply.byte_seconds > 0:
+                self._trickle(reply.body, reply.byte_seconds)
+            else:
+                self.wfile.write(reply.body)
         except (BrokenPipeError, ConnectionResetError):
             # The client stopped waiting (a read timeout during a slow fault).
             logger.debug("client went away before the answer to %s %s", method, url.path)
+
+    def _trickle(self, body: bytes, byte_seconds: float) -> None:
+        stopping = self.server.emulator._stopping
+        for index in range(len(body)):
+            self.wfile.write(body[index:index + 1])
+            self.wfile.flush()
+            if stopping.wait(byte_seconds):
+                return
 
     def log_message(self, format: str, *args: Any) -> None:
         # Request lines only; never headers (they carry the Authorization signature).

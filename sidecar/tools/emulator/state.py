@@ -25,6 +25,12 @@ _MODIFIER_SCOPE = {
     "empty-release": "DescribeScheduledInstances",
     "non-esi": "DescribeInstances",
     "metadata-down": "metadata",
+    # The spot path only (/latest/spot_instance_termination_time): 500, an HTML page,
+    # no answer for ``delay`` s, the answer a byte every ``delay`` s.
+    "spot-down": "spot",
+    "spot-garbage": "spot",
+    "spot-slow": "spot",
+    "spot-trickle": "spot",
 }
 FAULT_KINDS = ERROR_FAULTS + tuple(_MODIFIER_SCOPE)
 
@@ -113,6 +119,7 @@ class EmulatorState:
         self._requests: Counter[str] = Counter()
         self._metadata_requests = 0
         self._events: list[dict[str, Any]] = []  # system events, in the wire format
+        self._spot_termination_time: Optional[str] = None  # None: 404, no notice
 
     def set_release(self, auto_release_at: Optional[str]) -> None:
         if auto_release_at is not None and not isinstance(auto_release_at, str):
@@ -124,6 +131,17 @@ class EmulatorState:
     def auto_release_at(self) -> Optional[str]:
         with self._lock:
             return self._auto_release_at
+
+    def set_spot_termination_time(self, text: Optional[str]) -> None:
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"termination_time must be a string or null, got {text!r}")
+        with self._lock:
+            self._spot_termination_time = text
+
+    @property
+    def spot_termination_time(self) -> Optional[str]:
+        with self._lock:
+            return self._spot_termination_time
 
     def add_event(self, event: dict[str, Any]) -> None:
         with self._lock:
@@ -176,11 +194,11 @@ class EmulatorState:
     def take_faults(self, scope: str) -> list[Fault]:
         """The faults that shape one request, each using up one of its ``count``.
 
-        ``scope`` is an OpenAPI action name or ``"metadata"``. For an API request the
-        first active error fault wins; change-the-answer faults are then not used up,
+        ``scope`` is an OpenAPI action name, ``"metadata"`` or ``"spot"``. For an API
+        request the first active error fault wins; change-the-answer faults are then not used up,
         since the answer they would change is never sent. ``slow`` applies either way.
         """
-        is_api = scope != "metadata"
+        is_api = scope not in ("metadata", "spot")
         with self._lock:
             chosen: list[Fault] = []
             error = next((f for f in self._faults if is_api and f.kind in ERROR_FAULTS), None)
@@ -202,6 +220,7 @@ class EmulatorState:
             return {
                 "auto_release_at": self._auto_release_at,
                 "system_events": [dict(event) for event in self._events],
+                "spot_termination_time": self._spot_termination_time,
                 "faults": [fault.to_json() for fault in self._faults],
                 "request_counts": dict(self._requests),
                 "metadata_requests": self._metadata_requests,
