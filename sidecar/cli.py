@@ -28,6 +28,10 @@ EXIT_SAVE_NOW = 0
 EXIT_NOT_YET = 1
 EXIT_USAGE = 2
 EXIT_UNKNOWN = 3
+# `esi-sidecar status`: the daemon answers but /healthz is not 200 (starting or degraded),
+# so `esi-sidecar status && python train.py` does not go ahead unprotected (issue 26,
+# item 4). 0: healthy; 3: unreachable, as before.
+EXIT_NOT_HEALTHY = 4
 # stdout's reader closed it early (`| head -1`): the code a shell reports for a tool that
 # SIGPIPE killed, so `set -o pipefail` scripts see the output was cut (128 + SIGPIPE).
 EXIT_BROKEN_PIPE = 141
@@ -182,16 +186,39 @@ def describe_uploads(uploads: Any) -> list[str]:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         return _watch(args)
+    health = _wait_healthy(args, args.wait_healthy) if args.wait_healthy else None
     expiry = _fetch(args)
     if expiry is None:
         return EXIT_UNKNOWN
+    health = health if _is_healthy(health) else _health(args)
     if args.json:
         import json
 
         print(json.dumps(expiry.to_json(), indent=2))
     else:
-        print("\n".join(describe(expiry) + describe_sources(_health(args))))
-    return 0
+        print("\n".join(describe(expiry) + describe_sources(health)))
+    if _is_healthy(health):
+        return 0
+    verdict = health.get("status", "?") if isinstance(health, dict) else "no /healthz answer"
+    reason = health.get("reason") if isinstance(health, dict) else None
+    print(f"esi-sidecar: the daemon is not healthy: {verdict}" + (f": {reason}" if reason
+          else ""), file=sys.stderr)
+    return EXIT_NOT_HEALTHY
+
+
+def _is_healthy(health: Any) -> bool:
+    return isinstance(health, dict) and health.get("status") == "ok"
+
+
+def _wait_healthy(args: argparse.Namespace, seconds: float) -> Any:
+    """Ask /healthz until it says ok or ``seconds`` pass; the last answer (None: none)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        health = _health(args)
+        left = deadline - time.monotonic()
+        if _is_healthy(health) or left <= 0:
+            return health
+        time.sleep(min(0.5, left))
 
 
 def _watch(args: argparse.Namespace) -> int:
@@ -527,9 +554,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--timeout", type=_timeout, default=timeout,
                          help=f"seconds to wait for the daemon (default {timeout:g})")
 
-    status = commands.add_parser("status", help="show when this machine will be released",
-                                 description="Ask the daemon and print the deadline in words.")
+    status = commands.add_parser(
+        "status", help="show when this machine will be released",
+        description="Ask the daemon and print the deadline in words. Exit 0: the daemon is "
+        f"healthy (/healthz 200); {EXIT_NOT_HEALTHY}: it answers but is starting or degraded "
+        f"(the reason on stderr); {EXIT_UNKNOWN}: unreachable; {EXIT_USAGE}: usage error. "
+        "So `esi-sidecar status && python train.py` starts only a protected job.")
     client_options(status)
+    status.add_argument("--wait-healthy", type=_timeout, default=None, metavar="SECONDS",
+                        help="first wait up to SECONDS for /healthz to say ok (for scripts "
+                        "started with the daemon), then print and exit as above")
     status.add_argument("--json", action="store_true", help="print the raw /v1/expiry body")
     status.add_argument("--watch", action="store_true",
                         help="keep showing it: redrawn in place every second on a terminal, "

@@ -133,7 +133,10 @@ def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: in
     dead = f"http://127.0.0.1:{unused_port}"
     with AwsImdsEmulator() as imds, serve_daemon(
             sources=("auto",), aws_imds_url=imds.url, metadata_url=dead,
-            gcp_metadata_url=dead, azure_metadata_url=dead) as daemon:
+            gcp_metadata_url=dead, azure_metadata_url=dead,
+            # Fresh between the aws source's own 2 s polls: status exits 0 only when
+            # healthy (issue 26, item 4).
+            stale_after=10.0) as daemon:
         imds.interrupt(time.time() + 125, action="stop")
         imds.schedule_maintenance(time.time() + 7200)
         imds.recommend_rebalance(time.time())
@@ -286,3 +289,53 @@ def test_restore_help_describes_restore_not_the_upload() -> None:
     for uploader_words in ("to upload from", "where complete checkpoints go",
                            "uploaded at once", "for the upload"):
         assert uploader_words not in text, uploader_words
+
+
+def _nothing_runs(dead: str) -> dict[str, object]:
+    """--source auto where no metadata service answers: degraded (issue 26, item 4)."""
+    return {"sources": ("auto",), "metadata_url": dead, "aws_imds_url": dead,
+            "gcp_metadata_url": dead, "azure_metadata_url": dead}
+
+
+def test_status_exits_4_when_the_daemon_is_not_healthy_and_says_why(unused_port: int) -> None:
+    with serve_daemon(**_nothing_runs(f"http://127.0.0.1:{unused_port}")) as daemon:
+        wait_for(lambda: daemon.poller.first_attempt_done.is_set())
+        status = cli("status", "--url", daemon.url)
+        raw = cli("status", "--json", "--url", daemon.url)
+    assert status.returncode == 4, status.stderr
+    assert "not healthy: degraded: no deadline source can run here" in status.stderr
+    assert raw.returncode == 4 and json.loads(raw.stdout)["expires_at"] is None
+    assert "4:" in cli("status", "--help").stdout  # the codes are documented
+
+
+def test_status_wait_healthy_waits_for_a_daemon_that_becomes_healthy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.tools.emulator import Emulator
+
+    monkeypatch.setenv("VOLCENGINE_ACCESS_KEY", "AKLTtestaccesskey0001")
+    monkeypatch.setenv("VOLCENGINE_SECRET_KEY", "c2VjcmV0LXNlY3JldC1zZWNyZXQ=")
+    with Emulator(access_key="AKLTtestaccesskey0001", secret_key="c2VjcmV0LXNlY3JldC1zZWNyZXQ=",
+                  region="cn-beijing", instance_id="i-w1", scheduled_instance_id="esi-w1",
+                  auto_release_at=None) as emu, serve_daemon(
+            sources=("volcengine-esi",), api_endpoint=emu.url, metadata_url=emu.url) as daemon:
+        emu.set_release_in(3600)
+        emu.inject_fault("server-error")
+        wait_for(lambda: get_json(daemon.url + "/healthz")[1]["sources"]["volcengine-esi"]
+                 ["error"])
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.cli", "status", "--wait-healthy", "30",
+             "--url", daemon.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            emu.clear_faults()
+            out, err = waiting.communicate(timeout=40)
+        finally:
+            waiting.kill()
+        emu.inject_fault("server-error")
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 503, timeout=15)
+        started = time.monotonic()
+        gave_up = cli("status", "--wait-healthy", "1", "--url", daemon.url)
+        waited = time.monotonic() - started
+    assert waiting.returncode == 0, err
+    assert out.startswith("releases in ")
+    assert gave_up.returncode == 4 and "not healthy" in gave_up.stderr
+    assert waited >= 1.0

@@ -46,7 +46,7 @@ from sidecar.host.sources.registry import (
     traits_of,
 )
 from sidecar.host.statefile import StateFile
-from sidecar.host.store import Store
+from sidecar.host.store import NO_SOURCE_RUNS, Store
 from sidecar.host.store_section import StoreSection
 
 __all__ = ["Daemon", "bind_sockets", "build_daemon", "build_sources", "run"]
@@ -87,7 +87,8 @@ def build_sources(settings: Settings) -> list[Source]:
 
 def _probed(name: str, settings: Settings) -> ProbedSource:
     return ProbedSource(name, partial(probe_source, name, settings, PROBE_TIMEOUT_SECONDS),
-                        partial(create_source, name, settings))
+                        partial(create_source, name, settings),
+                        optional=traits_of([name])[name].optional)
 
 
 def build_daemon(settings: Settings) -> Daemon:
@@ -210,6 +211,9 @@ async def _announce_ready(poller: Poller, store: Store) -> None:
     """
     await asyncio.to_thread(poller.first_attempt_done.wait, READY_TIMEOUT_SECONDS)
     health = store.health()
+    if health.reason is not None and health.reason.startswith(NO_SOURCE_RUNS):
+        # Said once, as a warning: each source's own line is INFO (issue 26, item 4).
+        log.warning("%s", health.reason)
     notify(f"READY=1\nSTATUS={health.status}" + (f": {health.reason}" if health.reason else ""))
 
 

@@ -29,6 +29,7 @@ from sidecar.host.sources.base import (
     Source,
     SourceAbsent,
     SourceError,
+    SourceRefused,
     SourceTraits,
     where,
 )
@@ -119,7 +120,8 @@ class Poller:
             return exc.retry_after if exc.retry_after is not None else self._interval_of(source)
         except SourceError as exc:
             message = _one_line(str(exc))
-            self._store.record_failure(source.name, message, throttled=exc.throttled)
+            self._store.record_failure(source.name, message, throttled=exc.throttled,
+                                       refused=isinstance(exc, SourceRefused))
             self._log_failure(source.name, message)
             failures = self._failures(source.name)
             delay = next_delay(self._retry_cap(source), failures, throttled=exc.throttled,

@@ -18,11 +18,13 @@ from typing import Any, Callable, Optional
 from sidecar.models import Expiry, Notice, Observation
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["MOVES_KEPT", "OUTCOMES", "PAST_GRACE_SECONDS", "DeadlineMove", "Health", "Snapshot",
-           "SourceStatus", "Store",
+__all__ = ["MOVES_KEPT", "NO_SOURCE_RUNS", "OUTCOMES", "PAST_GRACE_SECONDS", "DeadlineMove",
+           "Health", "Snapshot", "SourceStatus", "Store",
            "build_expiry", "build_health", "build_notices", "describe_passed", "long_past"]
 
 OUTCOMES = ("ok", "error", "throttled")
+# The start of /healthz's reason when --source auto runs nothing on this machine.
+NO_SOURCE_RUNS = "no deadline source can run here"
 
 
 MOVES_KEPT = 100
@@ -46,6 +48,9 @@ class SourceStatus:
     observed_at_unix: Optional[float] = None  # when it was last confirmed by a poll
     restored: bool = False  # came from the state file; not yet confirmed by this process
     error: Optional[str] = None  # last poll's error; None after a success
+    # The last poll's error is a refusal that waiting will not mend (no credentials,
+    # credentials refused, an action not allowed): degraded at once, never "starting".
+    refused: bool = False
     last_attempt_unix: Optional[float] = None
     consecutive_failures: int = 0
     polls: tuple[tuple[str, int], ...] = tuple((outcome, 0) for outcome in OUTCOMES)
@@ -127,13 +132,16 @@ class Store:
                 consecutive_failures=0,
                 polls=_count(old.polls, "ok"),
                 absent=None,
+                refused=False,
             )
         return old.observation != observation
 
     def record_failure(
-        self, name: str, message: str, *, throttled: bool = False, at: Optional[float] = None
+        self, name: str, message: str, *, throttled: bool = False, refused: bool = False,
+        at: Optional[float] = None,
     ) -> None:
-        """Keep the error; the last good observation stays served."""
+        """Keep the error; the last good observation stays served. ``refused``: a refusal
+        that waiting will not mend (``sources.base.SourceRefused``)."""
         at = self._clock() if at is None else at
         with self._lock:
             old = self._sources[name]
@@ -143,6 +151,7 @@ class Store:
                 last_attempt_unix=at,
                 consecutive_failures=old.consecutive_failures + 1,
                 polls=_count(old.polls, "throttled" if throttled else "error"),
+                refused=refused,
             )
 
     def plan_next_poll(self, name: str, slack_seconds: float) -> None:
@@ -157,7 +166,7 @@ class Store:
         at = self._clock() if at is None else at
         with self._lock:
             self._sources[name] = replace(self._sources[name], absent=reason,
-                                          last_attempt_unix=at, error=None)
+                                          last_attempt_unix=at, error=None, refused=False)
 
     def restore(self, name: str, observation: Observation, observed_at_unix: float) -> None:
         """Load a state saved by an earlier run; served as stale until a poll confirms it."""
@@ -327,13 +336,18 @@ def _notice_json(status: SourceStatus, notice: Notice, now: float,
 def build_health(snapshot: Snapshot, now: float) -> Health:
     """ok: every source has a fresh success and no deadline is long past. starting: some
     source has not answered yet and the staleness bound since start-up has not passed.
-    degraded: anything else."""
+    degraded: anything else, at once when a source was refused (no credentials, say:
+    waiting mends nothing) or when ``--source auto`` found no source that can run here
+    (issue 26, item 4)."""
+    if not snapshot.present:
+        skipped = "; ".join(f"{s.name}: {s.absent}" for s in snapshot.sources)
+        return Health("degraded", f"{NO_SOURCE_RUNS}: {skipped}")
     for status in snapshot.present:
         if status.is_fresh(now, snapshot.stale_after):
             continue
         waited = now - snapshot.started_at_unix
         never_polled_ok = status.restored or status.observed_at_unix is None
-        if never_polled_ok and waited <= snapshot.stale_after:
+        if never_polled_ok and waited <= snapshot.stale_after and not status.refused:
             detail = f": {status.error}" if status.error else ""
             return Health("starting", f"{status.name}: no successful poll yet{detail}")
         age = status.age(now)

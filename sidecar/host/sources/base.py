@@ -15,7 +15,8 @@ from typing import Optional, Protocol, runtime_checkable
 
 from sidecar.models import Observation
 
-__all__ = ["Observation", "Source", "SourceAbsent", "SourceError", "SourceTraits", "where"]
+__all__ = ["Observation", "Source", "SourceAbsent", "SourceError", "SourceRefused", "SourceTraits",
+           "where"]
 
 
 class SourceError(Exception):
@@ -28,6 +29,14 @@ class SourceError(Exception):
     def __init__(self, message: str, *, throttled: bool = False) -> None:
         super().__init__(message)
         self.throttled = throttled
+
+
+class SourceRefused(SourceError):
+    """A definite no that asking again will not change until someone acts: no credentials,
+    credentials refused, an action the account may not call (HTTP 403, ``AccessDenied``)
+    or that the endpoint does not offer (``InvalidAction``). /healthz says degraded at
+    once rather than ``starting``; ``--source auto`` skips an optional source refused so
+    (issue 22, item 7; issue 26, item 4). Throttling, 5xx and timeouts are no refusal."""
 
 
 class SourceAbsent(Exception):
@@ -70,3 +79,6 @@ class SourceTraits:
     # Calls the account's OpenAPI: counted against --max-api-rate and held to the least
     # --poll-interval for the cloud's API.
     api_budget: bool = False
+    # Adds to another source on the same machine: under --source auto a refusal
+    # (SourceRefused) skips it with the reason instead of degrading the daemon.
+    optional: bool = False

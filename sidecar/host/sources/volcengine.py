@@ -28,7 +28,7 @@ from datetime import datetime, tzinfo
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from sidecar.host.sources.base import Observation, SourceError, where
+from sidecar.host.sources.base import Observation, SourceError, SourceRefused, where
 from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text, parse_url
 from sidecar.models import DEFAULT_METADATA_URL, KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, ParsedTime, TimestampError, parse_timestamp
@@ -56,6 +56,12 @@ _SECRET_SHAPES = (
     re.compile(r"((?:Authorization|X-Security-Token)['\"]?\s*[:=]\s*['\"]?)[^'\"\n]+", re.I),
 )
 _MAX_MESSAGE = 300
+# Answers that asking again will not change (SourceRefused): credentials refused, an
+# action the account's policy does not allow, or one the endpoint does not offer.
+_REFUSED_STATUSES = (401, 403)
+_REFUSED_CODES = ("AccessDenied", "Forbidden", "InvalidAction", "InvalidAccessKey",
+                  "InvalidCredential", "SignatureDoesNotMatch", "UnauthorizedOperation",
+                  "NotAuthorized")
 
 
 def _is_loopback(host: str) -> bool:
@@ -130,6 +136,8 @@ class VolcengineEsiSource:
         with self._lock:
             try:
                 return self._poll()
+            except SourceRefused as exc:
+                raise SourceRefused(self._clean(str(exc))) from None
             except SourceError as exc:
                 raise SourceError(self._clean(str(exc)), throttled=exc.throttled) from None
             except Exception as exc:
@@ -299,9 +307,9 @@ class VolcengineEsiSource:
         try:
             credentials = self._credential_provider.get_credentials()
         except Exception:
-            raise SourceError(_NO_CREDENTIALS) from None
+            raise SourceRefused(_NO_CREDENTIALS) from None
         if credentials is None or not credentials.ak or not credentials.sk:
-            raise SourceError(_NO_CREDENTIALS)
+            raise SourceRefused(_NO_CREDENTIALS)
         self._remember_secrets(credentials.ak, credentials.sk, credentials.session_token)
 
     def _remember_secrets(self, *values: Optional[str]) -> None:
@@ -336,7 +344,7 @@ class VolcengineEsiSource:
         elif access_key or secret_key:
             missing = ENV_SECRET_KEY if access_key else ENV_ACCESS_KEY
             self._remember_secrets(access_key, secret_key)
-            raise SourceError(
+            raise SourceRefused(
                 f"{missing} is not set; set both {ENV_ACCESS_KEY} and {ENV_SECRET_KEY}"
             )
         else:
@@ -392,7 +400,7 @@ class VolcengineEsiSource:
         if isinstance(exc, urllib3.exceptions.HTTPError):
             return SourceError(f"{action} failed: connection error with {where}: {exc}")
         if isinstance(exc, RuntimeError) and "credential" in str(exc).lower():
-            return SourceError(_NO_CREDENTIALS)
+            return SourceRefused(_NO_CREDENTIALS)
         if isinstance(exc, (AttributeError, KeyError, TypeError, ValueError)):
             # The SDK's deserializer trips over a body that is not the JSON it expects.
             # Said as what it is, the answer's fault; the parser's own words are no help.
@@ -408,7 +416,11 @@ class VolcengineEsiSource:
         code, message = _error_fields(exc.body, exc.reason)
         throttled = status == 429 or (code or "").startswith(("Throttling", "FlowLimit"))
         detail = f"{code}: {message}" if code else (message or str(exc.reason or ""))
-        return SourceError(f"{action} failed: HTTP {status} {detail}", throttled=throttled)
+        text = f"{action} failed: HTTP {status} {detail}"
+        if not throttled and (status in _REFUSED_STATUSES
+                              or (code or "").startswith(_REFUSED_CODES)):
+            return SourceRefused(text)
+        return SourceError(text, throttled=throttled)
 
     def _clean(self, text: str) -> str:
         """One line, no credentials, not too long."""

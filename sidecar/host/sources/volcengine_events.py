@@ -201,5 +201,7 @@ def build(config: VolcengineConfig) -> VolcengineEventsSource:
 SPEC = SourceSpec(
     name="volcengine-events", config=VolcengineConfig, build=build, probe=probe,
     summary="ECS system events: spot and early reclaim, maintenance",
-    traits=SourceTraits(api_budget=True),
+    # Under --source auto an account whose policy allows the ESI calls but not this one
+    # (or an endpoint without the action) skips it rather than degrading the daemon.
+    traits=SourceTraits(api_budget=True, optional=True),
 )

@@ -63,6 +63,11 @@ _ERROR_FAULTS: dict[str, tuple[int, str, str]] = {
         "Service has some internal Error. Pls Contact With Admin.",
     ),
     "auth": (401, "SignatureDoesNotMatch", _SIGNATURE_MISMATCH),
+    # A policy that does not allow the action (IAM), and an endpoint that does not offer
+    # it: definite refusals, which asking again does not change (issue 22, item 7).
+    "forbidden": (403, "AccessDenied", "User is not authorized to perform: {action}"),
+    "invalid-action": (400, "InvalidAction", "The action {action} is not valid for this "
+                       "endpoint."),
 }
 
 
@@ -168,20 +173,23 @@ class Emulator:
         self._state.set_release(value)
         return value
 
-    def inject_fault(self, kind: str, count: Optional[int] = None, delay: float = 0.0) -> None:
+    def inject_fault(self, kind: str, count: Optional[int] = None, delay: float = 0.0,
+                     action: Optional[str] = None) -> None:
         """Show fault ``kind`` for the next ``count`` requests it applies to (None: until
-        cleared). ``delay`` is the pause of a ``slow`` fault.
+        cleared), of OpenAPI action ``action`` only when given. ``delay`` is the pause of a
+        ``slow`` fault.
 
         Any OpenAPI request: ``throttle`` (429 Throttling.User), ``flow-limit`` (429
         FlowLimitExceeded), ``server-error`` (500 InternalError), ``auth`` (401
-        SignatureDoesNotMatch), ``malformed-json`` (200, body cut in half), ``slow``.
+        SignatureDoesNotMatch), ``forbidden`` (403 AccessDenied), ``invalid-action`` (400
+        InvalidAction), ``malformed-json`` (200, body cut in half), ``slow``.
         DescribeScheduledInstances: ``bad-release`` ("not-a-time"), ``empty-release`` ("").
         DescribeInstances: ``non-esi`` (no ScheduledInstanceId). Metadata paths:
         ``metadata-down`` (500). The spot path only: ``spot-down`` (500),
         ``spot-garbage`` (200, an HTML page), ``spot-slow`` (no answer for ``delay`` s),
         ``spot-trickle`` (a byte every ``delay`` s). Unknown kinds raise ValueError.
         """
-        self._state.add_fault(kind, count, delay)
+        self._state.add_fault(kind, count, delay, action)
 
     def clear_faults(self) -> None:
         self._state.clear_faults()
@@ -296,7 +304,7 @@ class Emulator:
             self._stopping.wait(faults["slow"].delay)
         for kind, (status, code, message) in _ERROR_FAULTS.items():
             if kind in faults:
-                return error(status, code, message)
+                return error(status, code, message.format(action=f"ecs:{action}"))
 
         release = self._state.auto_release_at
         if "bad-release" in faults:
@@ -428,13 +436,15 @@ class Emulator:
         self.raise_spot_notice(seconds)
 
     def _control_fault(self, request: Mapping[str, Any]) -> None:
-        unknown = set(request) - {"kind", "count", "delay"}
+        unknown = set(request) - {"kind", "count", "delay", "action"}
         if unknown:
-            raise ValueError(f"unknown field(s) {sorted(unknown)}; use kind, count, delay")
+            raise ValueError(f"unknown field(s) {sorted(unknown)}; use kind, count, delay, "
+                             "action")
         kind = request.get("kind")
         if not isinstance(kind, str):
             raise ValueError(f"kind must be one of {', '.join(FAULT_KINDS)}")
-        self.inject_fault(kind, request.get("count"), request.get("delay", 0.0))
+        self.inject_fault(kind, request.get("count"), request.get("delay", 0.0),
+                          request.get("action"))
 
 
 class _Server(ThreadingHTTPServer):

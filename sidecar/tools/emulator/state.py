@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 __all__ = ["ERROR_FAULTS", "FAULT_KINDS", "EmulatorState", "Fault", "release_in"]
 
 # Faults that replace the answer with an error (at most one applies to a request).
-ERROR_FAULTS = ("throttle", "flow-limit", "server-error", "auth", "malformed-json")
+ERROR_FAULTS = ("throttle", "flow-limit", "server-error", "auth", "malformed-json",
+                "forbidden", "invalid-action")
 # Faults that change a successful answer, each for the requests it names.
 _MODIFIER_SCOPE = {
     "slow": "api",
@@ -51,17 +52,27 @@ def release_in(seconds: float, *, now: Optional[float] = None) -> str:
 
 @dataclass
 class Fault:
-    """One injected fault. ``remaining`` None means until cleared."""
+    """One injected fault. ``remaining`` None means until cleared; ``action`` None: every
+    request the kind applies to, else only that OpenAPI action's (an account whose policy
+    allows one action and not another)."""
 
     kind: str
     remaining: Optional[int] = None
     delay: float = 0.0
+    action: Optional[str] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "remaining": self.remaining, "delay": self.delay}
+        shown = {"kind": self.kind, "remaining": self.remaining, "delay": self.delay}
+        return shown if self.action is None else {**shown, "action": self.action}
+
+    def applies_to(self, scope: str) -> bool:
+        return self.action is None or self.action == scope
 
 
-def _validate_fault(kind: str, count: Optional[int], delay: float) -> None:
+def _validate_fault(kind: str, count: Optional[int], delay: float,
+                    action: Optional[str] = None) -> None:
+    if action is not None and (not isinstance(action, str) or not action):
+        raise ValueError(f"fault action must be an OpenAPI action name or null, got {action!r}")
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(FAULT_KINDS)}")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
@@ -164,10 +175,11 @@ class EmulatorState:
         with self._lock:
             return [dict(event) for event in self._events]
 
-    def add_fault(self, kind: str, count: Optional[int] = None, delay: float = 0.0) -> None:
-        _validate_fault(kind, count, delay)
+    def add_fault(self, kind: str, count: Optional[int] = None, delay: float = 0.0,
+                  action: Optional[str] = None) -> None:
+        _validate_fault(kind, count, delay, action)
         with self._lock:
-            self._faults.append(Fault(kind, count, float(delay)))
+            self._faults.append(Fault(kind, count, float(delay), action))
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -201,15 +213,17 @@ class EmulatorState:
         is_api = scope not in ("metadata", "spot")
         with self._lock:
             chosen: list[Fault] = []
-            error = next((f for f in self._faults if is_api and f.kind in ERROR_FAULTS), None)
+            error = next((f for f in self._faults if is_api and f.kind in ERROR_FAULTS
+                          and f.applies_to(scope)), None)
             for fault in self._faults:
                 applies = _MODIFIER_SCOPE.get(fault.kind)
                 if fault is error or (
                     applies is not None
+                    and fault.applies_to(scope)
                     and (applies == scope or (applies == "api" and is_api))
                     and (error is None or fault.kind == "slow")
                 ):
-                    chosen.append(Fault(fault.kind, fault.remaining, fault.delay))
+                    chosen.append(Fault(fault.kind, fault.remaining, fault.delay, fault.action))
                     if fault.remaining is not None:
                         fault.remaining -= 1
             self._faults = [f for f in self._faults if f.remaining is None or f.remaining > 0]

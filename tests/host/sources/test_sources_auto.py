@@ -55,7 +55,7 @@ def test_the_suite_cannot_reach_a_cloud_metadata_address() -> None:
         urllib.request.urlopen("http://169.254.169.254/latest/api/token", timeout=1)
 
 
-def test_nothing_answers_no_deadline_healthy_and_every_source_named(dead_url: str) -> None:
+def test_nothing_answers_no_deadline_degraded_and_every_source_named(dead_url: str) -> None:
     started = time.monotonic()
     with serve_daemon(**everywhere(dead_url)) as daemon:
         wait_for(lambda: daemon.poller.first_attempt_done.is_set(), timeout=5)
@@ -63,7 +63,10 @@ def test_nothing_answers_no_deadline_healthy_and_every_source_named(dead_url: st
         status, health = get_json(daemon.url + "/healthz")
         expiry = get_json(daemon.url + "/v1/expiry")[1]
     assert ready_after < 2.0
-    assert status == 200 and health["status"] == "ok" and health["sources"] == {}
+    # No source can run here: degraded with the reason (issue 26, item 4), not "ok".
+    assert status == 503 and health["status"] == "degraded" and health["sources"] == {}
+    assert health["reason"].startswith("no deadline source can run here: ")
+    assert all(name in health["reason"] for name in CANDIDATES)
     assert sorted(health["skipped"]) == sorted(CANDIDATES)
     assert "cannot connect" in health["skipped"]["aws"]
     assert expiry["expires_at"] is None and expiry["notices"] == []
@@ -153,7 +156,7 @@ def test_a_source_named_beside_auto_runs_for_sure_and_its_failure_counts(
     assert status == 503 and "not on EC2" in health["sources"]["aws"]["error"]
 
 
-def test_serve_with_auto_on_a_machine_without_metadata_starts_in_under_2_s(
+def test_serve_with_auto_on_a_machine_without_metadata_starts_in_under_2_s_degraded(
         dead_url: str) -> None:
     port = _free_port()
     env = {**os.environ, **{f"ESI_SIDECAR_{name.upper()}": dead_url for name in URL_SETTINGS}}
@@ -165,8 +168,8 @@ def test_serve_with_auto_on_a_machine_without_metadata_starts_in_under_2_s(
         answer = wait_for(lambda: fetch_json(f"http://127.0.0.1:{port}/healthz", 0.5),
                           timeout=30, interval=0.02)
         up_after = time.monotonic() - started
-        wait_for(lambda: (fetch_json(f"http://127.0.0.1:{port}/healthz", 0.5) or (0,))[0]
-                 == 200, timeout=5)
+        # Nothing runs here: degraded once every probe answered (issue 26, item 4).
+        health = wait_for(lambda: _degraded(f"http://127.0.0.1:{port}/healthz"), timeout=5)
         expiry = get_json(f"http://127.0.0.1:{port}/v1/expiry")[1]
     finally:
         process.terminate()
@@ -176,6 +179,16 @@ def test_serve_with_auto_on_a_machine_without_metadata_starts_in_under_2_s(
     assert up_after < 2.0 + _import_allowance(), output
     assert expiry["expires_at"] is None
     assert "does not run here" in output
+    assert health["reason"].startswith("no deadline source can run here")
+    warnings = [line for line in output.splitlines()
+                if "WARNING" in line and "no deadline source can run here" in line]
+    assert len(warnings) == 1, output
+
+
+def _degraded(url: str) -> Any:
+    """The /healthz body once it says degraded, else None."""
+    answer = fetch_json(url, 0.5)
+    return answer[1] if answer and answer[1].get("status") == "degraded" else None
 
 
 def _free_port() -> int:
