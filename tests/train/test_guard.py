@@ -289,8 +289,10 @@ def test_daemon_down_keeps_last_deadline_and_recovers(caplog: pytest.LogCaptureF
             assert status.deadline_unix == pytest.approx(deadline + 60, abs=1e-3)
             assert status.last_error is None
 
+    # The deadline's lines only: a job-events sender that another test's client left
+    # running may log a failed post to its own (gone) daemon meanwhile.
     messages = [(r.levelno, r.getMessage()) for r in caplog.records
-                if r.name.startswith(TRAIN_LOGGER)]
+                if r.name.startswith(TRAIN_LOGGER) and r.name != "sidecar.train.client"]
     assert [level for level, _ in messages] == [logging.WARNING, logging.INFO]
     assert "using the last known deadline" in messages[0][1]
     assert "reachable again" in messages[1][1]
