@@ -110,14 +110,33 @@ def _write(path: Path, text: str, mode: int) -> None:
     print(f"wrote: {path} (mode {mode:o})")
 
 
+def _interpreter(executable: str) -> str:
+    """The #! interpreter of a console script ('' for a binary or an unreadable file)."""
+    try:
+        with open(executable, "rb") as script:
+            first = script.readline(512)
+    except OSError:
+        return ""
+    return first[2:].decode(errors="replace").split()[0] if first.startswith(b"#!/") else ""
+
+
+def _check_outside_homes(executable: str) -> None:
+    """DynamicUser= and ProtectHome=yes keep the service out of every home folder, so a
+    pipx or ``uv tool`` install in root's or a user's home could never start."""
+    interpreter = _interpreter(executable)
+    for path in (executable, interpreter, str(Path(interpreter).resolve()) if interpreter else ""):
+        if path.startswith(HOME_PREFIXES):
+            raise InstallError(
+                f"{path} is in a home folder, which the unit's DynamicUser= and ProtectHome= "
+                "keep out of reach: install for all users (sudo pipx install --global "
+                "'esi-sidecar[server]'; docs/deploy.md), or give --executable PATH")
+
+
 def install(args: Any) -> int:
     _check_may_write(args)
     executable = args.executable or find_executable()
-    if executable.startswith(HOME_PREFIXES) and not args.root:
-        raise InstallError(
-            f"{executable} is in a home folder, which the unit's DynamicUser= and "
-            "ProtectHome= keep out of reach: install it for all users (sudo pipx install "
-            "--global 'esi-sidecar[server]', or give --executable PATH)")
+    if not args.root:
+        _check_outside_homes(executable)
     unit = unit_text(executable)
     unit_path = _under(args.root, UNIT_FILE)
     env_path = _under(args.root, ENV_FILE)

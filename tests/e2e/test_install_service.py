@@ -84,10 +84,17 @@ def test_uninstall_removes_the_unit_and_purge_the_env_file(
     assert main(["uninstall", "--purge", "--root", str(tmp_path)]) == 0  # nothing left: fine
 
 
-def test_an_executable_in_a_home_folder_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_executable_in_a_home_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # DynamicUser= and ProtectHome=yes keep the service out of ~/.local/bin.
     assert main(["install", "--print", "--executable", "/home/alice/.local/bin/esi-sidecar"]) == 2
     assert "pipx install --global" in capsys.readouterr().err
+    # A script outside the homes whose interpreter is inside one (pipx run as root).
+    script = tmp_path / "esi-sidecar"
+    script.write_text("#!/root/.local/pipx/venvs/esi-sidecar/bin/python\n")
+    assert main(["install", "--print", "--executable", str(script)]) == 2
+    assert "/root/.local/pipx" in capsys.readouterr().err
 
 
 def test_the_packaged_unit_is_the_deploy_unit() -> None:
