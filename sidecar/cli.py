@@ -1,4 +1,4 @@
-"""``esi-sidecar``: serve, status, check, env, emulate, restore, run, demo, simulate.
+"""``esi-sidecar``: serve, status, check, env, emulate, restore, run, install, demo, simulate.
 
 ``serve``, ``emulate`` and ``demo`` need the ``[server]`` extra and ``restore`` from S3 the
 ``[upload]`` extra (from a mounted volume, nothing more); ``status``,
@@ -410,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sidecar.host.launch import add_run_command  # standard library only
 
     add_run_command(commands)  # esi-sidecar run: restore, then the training command
+    from sidecar.host.install_service import add_install_commands  # standard library only
+
+    add_install_commands(commands)  # esi-sidecar install / uninstall: the systemd service
     from sidecar.tools.demo.run import add_demo_command
     from sidecar.tools.simulate.command import add_simulate_command
 

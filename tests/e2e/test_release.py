@@ -234,3 +234,9 @@ def test_the_wheel_installs_alone_and_runs(release: Release, tmp_path: Path) -> 
                          env=clean, capture_output=True, text=True, timeout=60, check=False)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.strip() == f"esi-sidecar {VERSION}"
+    # The service from pip (issue 26, item 2): the wheel's own unit, ExecStart naming it.
+    shown = subprocess.run([str(env_dir / "bin" / "esi-sidecar"), "install", "--print",
+                            "--root", str(tmp_path / "root")], cwd=tmp_path, env=clean,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert shown.returncode == 0, shown.stderr
+    assert f"\nExecStart={(env_dir / 'bin' / 'esi-sidecar').resolve()} serve\n" in shown.stdout

@@ -1,0 +1,134 @@
+"""``esi-sidecar install`` / ``uninstall``: the service from pip (issue 26, item 2).
+
+Every test runs with ``--root`` or ``--print``, so systemctl is never called (with
+``--root`` the command says so and skips it): no systemd as PID 1 is needed. The unit it
+writes is the one install.sh writes for the same executable (install.sh runs here on a
+staging root, as in test_deploy.py), and ``systemd-analyze verify`` passes on it when
+systemd-analyze is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_deploy import FAST_PIP, copy_checkout, reuse_venv, run_install
+
+from sidecar.cli import main
+from sidecar.host.install_service import ENV_FILE, UNIT_FILE, unit_text
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_EXAMPLE = REPO / "deploy" / "esi-sidecar.env.example"
+UNIT_SOURCE = REPO / "deploy" / "esi-sidecar.service"
+SCRIPT = Path(sys.executable).parent / "esi-sidecar"  # this venv's console script
+
+
+def under(root: Path, absolute: str) -> Path:
+    return root / absolute.lstrip("/")
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_print_shows_the_unit_with_the_running_executable(tmp_path: Path) -> None:
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not installed")
+    result = subprocess.run([str(SCRIPT), "install", "--print", "--root", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"\nExecStart={SCRIPT.resolve()} serve\n" in result.stdout
+    assert "WantedBy=multi-user.target" in result.stdout
+    assert f"# {under(tmp_path, ENV_FILE)} (mode 600)" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # --print writes nothing
+
+
+def test_root_writes_the_unit_and_the_env_file_and_keeps_an_existing_env_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    executable = "/usr/local/bin/esi-sidecar"
+    assert main(["install", "--root", str(tmp_path), "--executable", executable]) == 0
+    out = capsys.readouterr().out
+    assert "systemctl not called" in out  # --root never calls systemctl
+    unit = under(tmp_path, UNIT_FILE)
+    env_file = under(tmp_path, ENV_FILE)
+    assert unit.read_text() == unit_text(executable)
+    assert f"\nExecStart={executable} serve\n" in unit.read_text()
+    assert mode(unit) == 0o644
+    assert env_file.read_text() == ENV_EXAMPLE.read_text()
+    assert mode(env_file) == 0o600
+    assert mode(env_file.parent) == 0o700
+    # A second install keeps the settings a user wrote and rewrites the unit.
+    env_file.write_text("ESI_SIDECAR_REGION=cn-shanghai\n")
+    unit.write_text("stale\n")
+    assert main(["install", "--root", str(tmp_path), "--executable", executable]) == 0
+    assert "kept:" in capsys.readouterr().out
+    assert env_file.read_text() == "ESI_SIDECAR_REGION=cn-shanghai\n"
+    assert unit.read_text() == unit_text(executable)
+
+
+def test_uninstall_removes_the_unit_and_purge_the_env_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["install", "--root", str(tmp_path), "--executable", "/usr/bin/esi-sidecar"]) == 0
+    assert main(["uninstall", "--root", str(tmp_path)]) == 0
+    assert not under(tmp_path, UNIT_FILE).exists()
+    assert under(tmp_path, ENV_FILE).exists()
+    assert "kept:" in capsys.readouterr().out
+    assert main(["install", "--remove", "--purge", "--root", str(tmp_path)]) == 0
+    assert not under(tmp_path, ENV_FILE).parent.exists()
+    assert main(["uninstall", "--purge", "--root", str(tmp_path)]) == 0  # nothing left: fine
+
+
+def test_an_executable_in_a_home_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # DynamicUser= and ProtectHome=yes keep the service out of ~/.local/bin.
+    assert main(["install", "--print", "--executable", "/home/alice/.local/bin/esi-sidecar"]) == 2
+    assert "pipx install --global" in capsys.readouterr().err
+    # A script outside the homes whose interpreter is inside one (pipx run as root).
+    script = tmp_path / "esi-sidecar"
+    script.write_text("#!/root/.local/pipx/venvs/esi-sidecar/bin/python\n")
+    assert main(["install", "--print", "--executable", str(script)]) == 2
+    assert "/root/.local/pipx" in capsys.readouterr().err
+
+
+def test_the_packaged_unit_is_the_deploy_unit() -> None:
+    assert unit_text("/opt/esi-sidecar/bin/esi-sidecar") == UNIT_SOURCE.read_text()
+
+
+def test_the_unit_is_the_one_install_sh_writes(tmp_path: Path) -> None:
+    prefix = "/srv/esi"  # another --prefix: install.sh rewrites ExecStart
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    reuse_venv(under(staged, prefix))
+    checkout = copy_checkout(tmp_path / "checkout")
+    result = run_install("--root", str(staged), "--prefix", prefix, "--python", sys.executable,
+                         "--no-start", *FAST_PIP, script=checkout / "install.sh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = tmp_path / "ours"
+    assert main(["install", "--root", str(ours), "--no-start",
+                 "--executable", f"{prefix}/bin/esi-sidecar"]) == 0
+    assert under(ours, UNIT_FILE).read_bytes() == under(staged, UNIT_FILE).read_bytes()
+
+
+def test_the_written_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not installed")
+    assert main(["install", "--root", str(tmp_path), "--executable", str(SCRIPT)]) == 0
+    # verify checks that the EnvironmentFile= exists: point it into the root.
+    text = under(tmp_path, UNIT_FILE).read_text().replace(
+        f"EnvironmentFile={ENV_FILE}", f"EnvironmentFile={under(tmp_path, ENV_FILE)}")
+    unit = tmp_path / "esi-sidecar.service"
+    unit.write_text(text)
+    result = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "esi-sidecar.service" not in result.stderr, result.stderr
