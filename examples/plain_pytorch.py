@@ -1,12 +1,16 @@
 """A plain PyTorch training loop that saves before the machine is released.
 
-    python examples/plain_pytorch.py --steps 50
-    python examples/plain_pytorch.py --steps 50 --release-in 30   # pretend: released soon
+    python examples/plain_pytorch.py --steps 100000000 --release-in 15 \\
+        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~20 s)
+    python examples/plain_pytorch.py --output checkpoints/plain_pytorch --steps N
+                                 # the "resume:" line it printed: resumes, 50 steps, done
     python examples/plain_pytorch.py --steps 100000000 --sigterm-grace 25 --save-seconds 1
 
 The daemon (``esi-sidecar serve``) tells the guard when this machine goes away; without
 one, the guard falls back to the platform's capacity-block variables. ``--release-in``
-sets such a variable for this process only, so the save path can be watched on a laptop.
+sets such a variable for this process only and the daemon is then not asked, so the save
+path can be watched on a laptop whether a daemon runs or not. The first line it prints
+says which deadline it follows.
 The model is the demo's toy (a small torch MLP, or pure Python without torch); the loop
 is the same for yours.
 
@@ -22,15 +26,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from sidecar import EXIT_RELEASED, CheckpointGuard, SavePolicy, atomic_checkpoint, latest_valid
 from sidecar.tools.demo.toy_model import build_model
+from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
 from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
+
+DEFAULT_OUTPUT = Path("checkpoints") / "plain_pytorch"  # under the working folder: it stays
 
 
 def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
@@ -51,20 +58,42 @@ def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
     return step
 
 
+class ReleaseInOnly(SidecarClient):
+    """A client that never asks a daemon: with ``--release-in`` that deadline wins."""
+
+    def expiry(self) -> None:
+        self.last_error = "not asked: --release-in sets the deadline"
+        return None
+
+
+def follows(release_in: Optional[float], client: SidecarClient) -> str:
+    """The line that says which deadline this run follows."""
+    if release_in is not None:
+        at = time.strftime("%H:%M:%S", time.localtime(time.time() + release_in))
+        return f"deadline: --release-in {release_in:g} s (at {at}); no daemon is asked"
+    return (f"deadline: the daemon's at {', '.join(client.urls)} "
+            f"(without one: {' or '.join(ENV_DEADLINE_VARIABLES)})")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--checkpoints", type=Path, default=None,
-                        help="checkpoint folder (default: a temporary one)")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
+                        help="checkpoint folder; a rerun resumes from its newest "
+                        f"(default: ./{DEFAULT_OUTPUT})")
+    parser.add_argument("--checkpoints", type=Path, dest="output", help=argparse.SUPPRESS)
     parser.add_argument(
         "--release-in",
         type=float,
         default=None,
         help="pretend the machine is released in this many seconds (sets "
-        f"{ENV_DEADLINE_VARIABLES[0]} for this process)",
+        f"{ENV_DEADLINE_VARIABLES[0]} for this process); it wins over a running "
+        "daemon, which is then not asked",
     )
     parser.add_argument("--save-seconds", type=float, default=None,
                         help="assumed save time until one is measured (default: the policy's)")
+    parser.add_argument("--redundant-seconds", type=float, default=None,
+                        help="safety margin (default: the policy's)")
     parser.add_argument("--sigterm-grace", type=float, default=None, metavar="SECONDS",
                         help="take SIGTERM as the release this many seconds later (set it "
                         "below the platform's grace period; default: SIGTERM ends the job)")
@@ -76,24 +105,30 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     environ = dict(os.environ)
+    client = SidecarClient()
     if args.release_in is not None:
         environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
-    policy = SavePolicy(top_up_seconds=args.top_up_seconds)
-    if args.save_seconds is not None:
-        policy = SavePolicy(args.save_seconds, top_up_seconds=args.top_up_seconds)
-    guard = CheckpointGuard(policy=policy, environ=environ,
-                            sigterm_grace_seconds=args.sigterm_grace)
+        client = ReleaseInOnly()
+    print(follows(args.release_in, client), flush=True)
+    rule = {name: value for name, value in (("save_seconds", args.save_seconds),
+                                            ("redundant_seconds", args.redundant_seconds))
+            if value is not None}
+    policy = SavePolicy(**rule, top_up_seconds=args.top_up_seconds)
+    guard = CheckpointGuard(client, policy=policy, environ=environ,
+                            sigterm_grace_seconds=args.sigterm_grace,
+                            events=args.release_in is None)
     model = build_model(seed=0)
-    with tempfile.TemporaryDirectory() as scratch:
-        root = args.checkpoints or Path(scratch)
-        next_step = train(model, guard, root, args.steps)
-        found = latest_valid(root)
-        status = guard.status()
-        print(
-            f"model={type(model).__name__} ran to step {next_step}/{args.steps}; "
-            f"checkpoint {found.path if found else 'not written'}; "
-            f"deadline from {status.deadline_source or 'nowhere'}; {status.reason}"
-        )
+    next_step = train(model, guard, args.output, args.steps)
+    found = latest_valid(args.output)
+    status = guard.status()
+    print(
+        f"model={type(model).__name__} ran to step {next_step}/{args.steps}; "
+        f"checkpoint {found.path.resolve() if found else 'not written'}; "
+        f"deadline from {status.deadline_source or 'nowhere'}; {status.reason}"
+    )
+    if found is not None and next_step < args.steps:
+        # A few steps past the checkpoint, so the resumed run ends soon on any machine.
+        print(f"resume: python {sys.argv[0]} --output {args.output} --steps {found.step + 50}")
     if guard.released:
         raise SystemExit(EXIT_RELEASED)
 

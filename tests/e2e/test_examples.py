@@ -6,16 +6,20 @@ example gets ``--save-seconds SAVE --redundant-seconds REDUNDANT``, so the rule 
 millisecond steps where start-up is quicker than that, at the first step where it is not
 (both are the behaviour under test). ``--steps`` is far more than fits in that time, so
 only the guard can end the run. Expected: exactly one checkpoint, at the step where the
-run stopped, and exit status 0. Second run: a daemon whose deadline is an hour away and
-``--steps`` a few past the checkpoint: it resumes from that checkpoint and finishes.
+run stopped, and exit status 0 (75, ``EXIT_RELEASED``, from the Hugging Face example).
+Second run: a daemon whose deadline is an hour away and ``--steps`` a few past the
+checkpoint: it resumes from that checkpoint and finishes. Then the README's own lines,
+read from examples/README.md and run word for word, with and without a daemon.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +30,7 @@ from typing import Callable, Optional
 import pytest
 from daemon_harness import serve_daemon, wait_for
 
+from sidecar import EXIT_RELEASED
 from sidecar.checkpoint.folders import list_checkpoints
 from sidecar.train.client import ENV_URL
 from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
@@ -41,8 +46,9 @@ RULE = ["--save-seconds", str(SAVE), "--redundant-seconds", str(REDUNDANT),
         "--top-up-seconds", "off"]
 
 
-def run(command: Sequence[str], url: str, cwd: Path, timeout: float = 90) -> str:
-    """Run ``command`` with ESI_SIDECAR_URL=url; its output, after checking exit status 0.
+def run(command: Sequence[str], url: str, cwd: Path, timeout: float = 90,
+        status: int = 0) -> str:
+    """Run ``command`` with ESI_SIDECAR_URL=url; its output, after checking exit ``status``.
 
     In a session of its own, so that a hang kills torchrun's workers too, not only torchrun.
     """
@@ -58,7 +64,7 @@ def run(command: Sequence[str], url: str, cwd: Path, timeout: float = 90) -> str
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"{' '.join(command)} still running after {timeout} s:\n{output[-3000:]}")
-    assert process.returncode == 0, output[-3000:]
+    assert process.returncode == status, output[-3000:]
     return output
 
 
@@ -67,18 +73,20 @@ def steps(pattern: str, output: str) -> list[int]:
 
 
 def first_then_resumed(
-    command: list[str], tmp_path: Path, between: Optional[Callable[[int], None]] = None
+    command: list[str], tmp_path: Path, between: Optional[Callable[[int], None]] = None,
+    released: int = 0,
 ) -> tuple[int, str, str]:
     """Both runs; (the step saved at, first output, resumed output).
 
     ``between(step)`` runs after the first, e.g. to leave what a later save cut short
-    would leave.
+    would leave; ``released``: the first run's exit status.
     """
     with serve_daemon(
         sources=("static",), expires_at=repr(time.time() + SAVE + REDUNDANT + TRAIN)
     ) as daemon:
         wait_for(lambda: daemon.store.health().ok)
-        first = run([*command, "--steps", str(UNBOUNDED_STEPS), *RULE], daemon.url, tmp_path)
+        first = run([*command, "--steps", str(UNBOUNDED_STEPS), *RULE], daemon.url, tmp_path,
+                    status=released)
     saved = steps(r"saved: checkpoint at step (\d+)", first)
     assert len(set(saved)) == 1, first[-3000:]  # once (per rank), all at one step
     step = saved[0]
@@ -116,17 +124,18 @@ def lightning_save_cut_short(output: Path) -> Callable[[int], None]:
 
 
 FRAMEWORKS = [
-    pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, None, id="hf"),
+    pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, None, 75,
+                 id="hf"),
     pytest.param("lightning_module.py", ("lightning",), lightning_checkpoints,
-                 lightning_save_cut_short, id="lightning"),
+                 lightning_save_cut_short, 0, id="lightning"),
 ]
 
 
 @pytest.mark.frameworks
-@pytest.mark.parametrize(("script", "needs", "checkpoints", "between"), FRAMEWORKS)
+@pytest.mark.parametrize(("script", "needs", "checkpoints", "between", "released"), FRAMEWORKS)
 def test_framework_example_saves_once_stops_and_resumes(
     script: str, needs: tuple[str, ...], checkpoints: Callable[[Path], list[int]],
-    between: Optional[Callable[[Path], Callable[[int], None]]], tmp_path: Path,
+    between: Optional[Callable[[Path], Callable[[int], None]]], released: int, tmp_path: Path,
 ) -> None:
     """The Lightning run also finds a save cut short next to ours, and skips it."""
     for module in ("torch", *needs):
@@ -134,7 +143,7 @@ def test_framework_example_saves_once_stops_and_resumes(
     output = tmp_path / "out"
     command = [sys.executable, str(EXAMPLES / script), "--output", str(output)]
     step, first, _resumed = first_then_resumed(
-        command, tmp_path, None if between is None else between(output)
+        command, tmp_path, None if between is None else between(output), released
     )
     assert first.count("saved:") == 1 and "deadline from daemon" in first
     assert checkpoints(output) == [step]  # still the only one: the resumed run saved none
@@ -195,6 +204,95 @@ def test_help_lists_the_options(script: str, needs: tuple[str, ...], tmp_path: P
     text = run([sys.executable, str(EXAMPLES / script), "--help"], "http://127.0.0.1:9", tmp_path)
     for option in ("--steps", "--output", "--release-in", "--save-seconds", "--redundant-seconds"):
         assert option in text
+
+
+def readme_line(script: str) -> str:
+    """The command line examples/README.md documents for ``script``, from its table."""
+    text = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    found = re.findall(rf"^\| \[{re.escape(script)}\].*\| `(python examples/{re.escape(script)}"
+                       r"[^`]*)` \|$", text, flags=re.MULTILINE)
+    assert len(found) == 1, f"no single table line for {script} in examples/README.md"
+    return found[0]
+
+
+def as_written(line: str) -> list[str]:
+    words = shlex.split(line)
+    assert words[0] == "python"
+    return [sys.executable, *words[1:]]
+
+
+def dead_url() -> str:
+    """A loopback port nobody listens on: no daemon."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+README_EXAMPLES = [
+    pytest.param("plain_pytorch.py", (), r"step_(\d+)$", id="plain"),
+    pytest.param("hf_trainer.py", ("torch", "transformers", "accelerate"), r"checkpoint-(\d+)$",
+                 marks=pytest.mark.frameworks, id="hf"),
+]
+
+
+@pytest.mark.parametrize("daemon_running", [False, True], ids=["no-daemon", "daemon"])
+@pytest.mark.parametrize(("script", "needs", "folder"), README_EXAMPLES)
+def test_readme_line_runs_as_written_saves_stops_and_resumes(
+    script: str, needs: tuple[str, ...], folder: str, daemon_running: bool, tmp_path: Path,
+) -> None:
+    """The README's line, word for word, from a working folder of its own: it follows
+    ``--release-in`` (a daemon running with a deadline an hour away is not asked), saves,
+    exits 75 and prints an existing checkpoint; the ``resume:`` line it prints resumes
+    from that checkpoint, left in the folder, and finishes."""
+    for module in needs:
+        pytest.importorskip(module)
+    (tmp_path / "examples").symlink_to(EXAMPLES)  # `python examples/...` as in the README
+    line = readme_line(script)
+    started = time.monotonic()
+    if daemon_running:
+        with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+            wait_for(lambda: daemon.store.health().ok)
+            first = run(as_written(line), daemon.url, tmp_path, status=EXIT_RELEASED)
+    else:
+        first = run(as_written(line), dead_url(), tmp_path, status=EXIT_RELEASED)
+    took = time.monotonic() - started
+    assert re.search(r"^deadline: --release-in [\d.]+ s .*no daemon is asked$", first,
+                     re.MULTILINE), first[-3000:]
+    assert "deadline from env" in first, first[-3000:]
+    paths = [Path(p) for p in re.findall(r"(?:checkpoint|->) (/[^\s;]+)", first)]
+    assert paths and all(path.is_dir() for path in paths), first[-3000:]
+    saved = paths[-1]
+    assert saved.parent.resolve().is_relative_to(tmp_path.resolve())  # under ./checkpoints
+    match = re.search(folder, str(saved))
+    assert match is not None
+    step = int(match.group(1))
+    assert step >= 1, first[-3000:]  # trained before the save
+    assert took < 60, f"{took:.0f} s: the documented line should take about 30"
+
+    resume = re.findall(r"^resume: (python .*)$", first, re.MULTILINE)
+    assert len(resume) == 1, first[-3000:]
+    total = step + 50
+    assert resume[0].endswith(f"--steps {total}")
+    resumed = run(as_written(resume[0]), dead_url(), tmp_path)
+    assert "deadline: the daemon's at" in resumed, resumed[-3000:]
+    if script == "hf_trainer.py":
+        assert f"start: resuming from step {step}" in resumed, resumed[-3000:]
+        assert f"done: trained {total}/{total} steps" in resumed, resumed[-3000:]
+    else:
+        assert f"training steps {step + 1} to {total - 1}" in resumed, resumed[-3000:]
+        assert f"ran to step {total}/{total}" in resumed, resumed[-3000:]
+    assert saved.is_dir()  # still there: nothing removed it at exit
+
+
+def test_plain_example_help_says_release_in_wins_and_keeps_checkpoints_alias(
+    tmp_path: Path,
+) -> None:
+    text = run([sys.executable, str(EXAMPLES / "plain_pytorch.py"), "--help"], dead_url(),
+               tmp_path)
+    for option in ("--steps", "--output", "--release-in", "--save-seconds", "--redundant-seconds"):
+        assert option in text
+    assert "--checkpoints" not in text  # kept for old command lines, not shown
+    assert "wins over a running daemon" in " ".join(text.split())
 
 
 FAKE_MAIN_PPO = """
