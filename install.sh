@@ -206,7 +206,7 @@ if [[ $EUID -ne 0 && -z $root ]] && ! ((dry_run)); then
 fi
 
 # The checkout this script sits in, when it does (not when piped into bash).
-# deploy/ next to it holds the unit and the example env file.
+# deploy/ next to it holds the example env file; the unit comes from the installed package.
 src_dir=""
 deploy_dir=""
 script=${BASH_SOURCE[0]:-}
@@ -548,40 +548,55 @@ install_env_file() {
 
 # ------------------------------------------------------------------ the unit
 
-unit_source() {
-	if [[ -f $deploy_dir/$UNIT_NAME ]]; then
-		printf '%s' "$deploy_dir/$UNIT_NAME"
-		return 0
-	fi
-	die "$EXIT_USAGE" "deploy/$UNIT_NAME not found next to install.sh: run it from a" \
-		"checkout or a release archive"
-}
-
-exec_start() { # the ExecStart command of the installed unit
+exec_start() { # the ExecStart command of a unit file
 	sed -n 's/^ExecStart=//p' "$1" | head -n 1
 }
 
+# The package's own `esi-sidecar install` writes the unit (sidecar/host/install_service.py),
+# so install.sh and a pip install never disagree on it; ExecStart names $prefix's binary.
 install_unit() {
-	local source candidate=$work/unit
-	source=$(unit_source)
-	# The unit names the default prefix; another --prefix is written into ExecStart.
-	sed "s#^ExecStart=$DEFAULT_PREFIX/#ExecStart=$prefix/#" "$source" >"$candidate"
+	local -a unit_command=("$venv/bin/esi-sidecar" install --unit-only
+		--executable "$prefix/bin/esi-sidecar")
+	[[ -n $root ]] && unit_command+=(--root "$root")
 	ensure_dir "$(dirname "$unit_file")" 0755
-	local before=$changed
-	put_file "$candidate" "$unit_file" 0644
-	unit_changed=$((changed - before))
+	if ((dry_run)); then
+		# The unit the installed package would write, compared; or, before the venv
+		# exists (or with an older package), the command.
+		if [[ -x $venv/bin/esi-sidecar ]] &&
+			"${unit_command[@]}" --print >"$work/unit" 2>/dev/null; then
+			local before=$changed
+			put_file "$work/unit" "$unit_file" 0644
+			unit_changed=$((changed - before))
+		else
+			rm -f "$work/unit"
+			run "${unit_command[@]}"
+			changed=$((changed + 1))
+			unit_changed=1
+		fi
+		return 0
+	fi
+	local output
+	output=$("${unit_command[@]}") || die 1 "esi-sidecar install --unit-only failed (see above)"
+	say "$output"
+	cp "$unit_file" "$work/unit"
+	if [[ $output == wrote:* ]]; then
+		changed=$((changed + 1))
+		unit_changed=1
+	fi
 }
 
 manual_start_hint() {
-	local command
-	command=$(exec_start "$work/unit")
+	local command="the unit's ExecStart= (esi-sidecar is not installed yet)"
+	if [[ -f $work/unit ]]; then
+		command=$(exec_start "$work/unit")
+	fi
 	say ""
 	if [[ -n $root ]]; then
 		say "staging root $root: systemctl not called. To run the staged daemon by hand:"
 		command=$root$command
 	else
 		say "systemd is not running on this host (no /run/systemd/system). Start the daemon"
-		say "by hand, as the unit would (ExecStart=$(exec_start "$work/unit")):"
+		say "by hand, as the unit would (ExecStart=$command):"
 	fi
 	say "  install -d -m 0700 $state_dir"
 	say "  env STATE_DIRECTORY=$state_dir sh -c 'set -a; . $env_file; set +a; exec $command'"

@@ -3,9 +3,9 @@
 The unit and the env example ship in the wheel (``sidecar/host/deploy_files``, copies of
 deploy/ made by the build), so ``pipx install 'esi-sidecar[server]'`` followed by
 ``sudo esi-sidecar install`` sets up the service with no checkout (issue 26, item 2).
-deploy/esi-sidecar.service stays the one source of the unit: install.sh rewrites its
-ExecStart prefix with sed, this module rewrites the same line the same way, and
-tests/e2e/test_install_service.py compares the two results.
+deploy/esi-sidecar.service stays the one source of the unit, and this module the one
+place that writes it: install.sh runs ``<venv>/bin/esi-sidecar install --unit-only`` after
+it made the venv (it writes its own env file from its flags and starts the service).
 
 Standard library only. With ``--root DIR`` every path is written under DIR and systemctl
 is never called (tests, image builds); ``--print`` writes nothing.
@@ -99,7 +99,15 @@ def _check_may_write(args: Any) -> None:
         raise InstallError("run as root (sudo esi-sidecar ...), or stage with --root DIR")
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def _write(path: Path, text: str, mode: int) -> bool:
+    """Give ``path`` this text and mode; a file that has both is left alone (a second
+    install changes nothing, not even the mtime). True when it wrote."""
+    try:
+        if path.read_text(encoding="utf-8") == text and (path.stat().st_mode & 0o7777) == mode:
+            print(f"unchanged: {path}")
+            return False
+    except (OSError, UnicodeDecodeError):
+        pass
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -108,6 +116,7 @@ def _write(path: Path, text: str, mode: int) -> None:
     os.chmod(temporary, mode)  # the umask does not narrow what systemd needs to read
     os.replace(temporary, path)
     print(f"wrote: {path} (mode {mode:o})")
+    return True
 
 
 def _interpreter(executable: str) -> str:
@@ -141,6 +150,12 @@ def install(args: Any) -> int:
     unit_path = _under(args.root, UNIT_FILE)
     env_path = _under(args.root, ENV_FILE)
     env_kept = env_path.exists()
+    if args.unit_only:  # install.sh's step: the env file and systemctl are its own
+        if args.print:
+            print(unit, end="")
+        else:
+            _write(unit_path, unit, 0o644)
+        return 0
     if args.print:
         print(f"# {unit_path}\n{unit}")
         if env_kept:
@@ -231,11 +246,14 @@ def add_install_commands(commands: Any) -> None:
                             help="with uninstall: also remove the env file")
         if removing:
             parser.set_defaults(func=cmd_install, remove=True, no_start=False,
-                                executable=None)
+                                executable=None, unit_only=False)
             continue
         parser.add_argument("--remove", action="store_true", help="the same as uninstall")
         parser.add_argument("--no-start", action="store_true",
                             help="reload systemd, but do not enable or start the service")
         parser.add_argument("--executable", metavar="PATH",
                             help="the esi-sidecar ExecStart runs (default: this one)")
+        parser.add_argument("--unit-only", action="store_true",
+                            help="only the unit (with --print: its text alone); no env file, "
+                            "no systemctl: what install.sh runs")
         parser.set_defaults(func=cmd_install)

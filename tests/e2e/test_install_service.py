@@ -116,6 +116,47 @@ def test_the_unit_is_the_one_install_sh_writes(tmp_path: Path) -> None:
     assert under(ours, UNIT_FILE).read_bytes() == under(staged, UNIT_FILE).read_bytes()
 
 
+def test_a_second_install_leaves_an_unchanged_unit_alone_and_unit_only_writes_the_unit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    executable = "/usr/local/bin/esi-sidecar"
+    only = ["install", "--unit-only", "--root", str(tmp_path), "--executable", executable]
+    assert main([*only, "--print"]) == 0
+    assert capsys.readouterr().out == unit_text(executable)  # the text alone, for install.sh
+    assert list(tmp_path.iterdir()) == []
+    assert main(only) == 0
+    unit = under(tmp_path, UNIT_FILE)
+    assert unit.read_text() == unit_text(executable) and mode(unit) == 0o644
+    assert not under(tmp_path, ENV_FILE).exists()  # --unit-only: no env file
+    assert "systemctl" not in capsys.readouterr().out  # nor systemctl
+    written = unit.stat().st_mtime_ns
+    assert main(["install", "--root", str(tmp_path), "--executable", executable]) == 0
+    assert f"unchanged: {unit}" in capsys.readouterr().out
+    assert unit.stat().st_mtime_ns == written
+
+
+def test_install_sh_writes_the_unit_through_esi_sidecar_install(tmp_path: Path) -> None:
+    """No second source of the unit: with deploy/'s copy gone from the checkout, install.sh
+    still writes the package's unit (the venv's esi-sidecar install --unit-only), and a
+    dry run afterwards compares against it."""
+    prefix = "/srv/esi"
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    reuse_venv(under(staged, prefix))
+    checkout = copy_checkout(tmp_path / "checkout")
+    (checkout / "deploy" / "esi-sidecar.service").unlink()
+    args = ("--root", str(staged), "--prefix", prefix, "--python", sys.executable,
+            "--no-start", *FAST_PIP)
+    result = run_install(*args, script=checkout / "install.sh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    unit = under(staged, UNIT_FILE)
+    assert f"wrote: {unit} (mode 644)" in result.stdout
+    assert unit.read_text() == unit_text(f"{prefix}/bin/esi-sidecar")
+    dry = run_install(*args, "--dry-run", script=checkout / "install.sh")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert f"unchanged: {unit}" in dry.stdout
+
+
 def test_the_written_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
