@@ -887,3 +887,48 @@ def test_install_sh_under_real_systemd(booted_systemd: BootedSystemd, tmp_path: 
     assert systemd.show("LoadState")["LoadState"] == "not-found"
     assert systemd.run("test", "-f", ENV_FILE).returncode == 0  # kept without --purge
     assert (tmp_path / "etc" / "upper" / ENV_FILE.removeprefix("/etc/")).exists()
+
+
+def test_esi_sidecar_install_under_real_systemd(booted_systemd: BootedSystemd,
+                                                tmp_path: Path) -> None:
+    """The pip path under a real systemd as PID 1: a venv with the package (install.sh
+    --venv-only, what the image runs), then that venv's `esi-sidecar install` writes the
+    unit, keeps the env file already there, reloads systemd and `enable --now` returns
+    once the daemon said READY=1; `esi-sidecar uninstall` stops and removes it."""
+    systemd = booted_systemd
+    checkout = copy_checkout(tmp_path / "checkout")
+    port = free_port()
+    venv = systemd.run("bash", str(checkout / "install.sh"), "--venv-only", "--python",
+                       SYSTEM_PYTHON, env={**clean_environ(), "PATH": SYSTEMD_PATH},
+                       timeout=600)
+    assert venv.returncode == 0, venv.stdout + venv.stderr
+    # The settings first (the env file esi-sidecar install keeps): a static deadline on a
+    # free port of the host's network namespace.
+    settings = (f"ESI_SIDECAR_SOURCE=static\nESI_SIDECAR_EXPIRES_AT={EXPIRES_AT}\n"
+                f"ESI_SIDECAR_LISTEN=127.0.0.1:{port}\n")
+    wrote = systemd.run("sh", "-c", f"install -d -m 700 /etc/esi-sidecar && umask 077 && "
+                        f"printf '{settings}' > {ENV_FILE}")
+    assert wrote.returncode == 0, wrote.stderr
+    binary = f"{PREFIX}/bin/esi-sidecar"
+
+    installed = systemd.run(binary, "install")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert f"kept: {ENV_FILE} (exists)" in installed.stdout
+    assert "run: systemctl enable --now esi-sidecar" in installed.stdout
+    shown = systemd.show("ActiveState", "StatusText", "ExecStart", "NRestarts")
+    assert shown["ActiveState"] == "active", shown  # READY=1 reached systemd
+    assert shown["StatusText"] == "ok" and shown["NRestarts"] == "0"
+    assert f"path={binary} ;" in shown["ExecStart"]
+    health = fetch_json(f"http://127.0.0.1:{port}/healthz")
+    assert health is not None and health[0] == 200
+    expiry = fetch_json(f"http://127.0.0.1:{port}/v1/expiry")
+    assert expiry is not None and expiry[1]["expires_at"] == EXPIRES_AT
+
+    again = systemd.run(binary, "install")
+    assert f"unchanged: {UNIT_FILE}" in again.stdout, again.stdout + again.stderr
+
+    removed = systemd.run(binary, "uninstall")
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert systemd.show("LoadState")["LoadState"] == "not-found"
+    assert fetch_json(f"http://127.0.0.1:{port}/healthz") is None  # stopped
+    assert systemd.run("test", "-f", ENV_FILE).returncode == 0  # kept without --purge
