@@ -227,3 +227,18 @@ def test_a_release_of_another_name_keeps_the_job_label(helm: str) -> None:
     (monitor,) = kinds["ServiceMonitor"]
     assert service["metadata"]["name"] == "gpu-esi-sidecar"
     assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "esi-sidecar"
+
+
+def test_a_packaged_chart_carries_the_rules(helm: str, tmp_path: Path) -> None:
+    """helm package stores the link's content: the .tgz renders the same rules."""
+    packed = subprocess.run([helm, "package", str(CHART), "-d", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert packed.returncode == 0, packed.stderr
+    (archive,) = tmp_path.glob("esi-sidecar-*.tgz")
+    assert archive.name == f"esi-sidecar-{sidecar.__version__}.tgz"
+    result = subprocess.run([helm, "template", RELEASE, str(archive), "--set",
+                             "prometheusRule.enabled=true"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    (rule,) = by_kind([doc for doc in yaml.safe_load_all(result.stdout) if doc])["PrometheusRule"]
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
