@@ -242,3 +242,14 @@ def test_a_packaged_chart_carries_the_rules(helm: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (rule,) = by_kind([doc for doc in yaml.safe_load_all(result.stdout) if doc])["PrometheusRule"]
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+
+
+def test_no_secret_value_reaches_the_pods_annotations(helm: str) -> None:
+    def annotations(*values: str) -> dict[str, str]:
+        (daemonset,) = by_kind(render(helm, *values))["DaemonSet"]
+        return dict(daemonset["spec"]["template"]["metadata"]["annotations"])
+
+    plain = annotations("token.value=one", "credentials.accessKey=a", "credentials.secretKey=b")
+    assert plain == annotations("token.value=two", "credentials.accessKey=c",
+                                "credentials.secretKey=d")
+    assert plain != annotations("token.value=one", "env.ESI_SIDECAR_REGION=cn-beijing")
