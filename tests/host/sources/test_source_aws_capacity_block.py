@@ -267,7 +267,7 @@ def test_the_daemon_serves_the_block_end_and_its_extension_as_a_renewal(
         ec2: Ec2Emulator) -> None:
     end = int(time.time()) + 40 * 60  # served 10 min ahead: polled every --poll-interval
     ec2.set_block_end(end)
-    with serve_daemon(**daemon_settings(ec2)) as daemon:
+    with serve_daemon(**daemon_settings(ec2, poll_schedule="adaptive")) as daemon:
         wait_for(lambda: expiry(daemon)["expires_at_unix"] == end - 1800)
         status, health = get_json(daemon.url + "/healthz")
         assert status == 200 and health["sources"][NAME]["error"] is None
@@ -364,3 +364,18 @@ def test_auto_skips_it_with_one_clear_line_and_the_aws_source_runs(
             "skipped"] and answer[1])(get_json(daemon.url + "/healthz")), timeout=15)
     assert reason in health["skipped"][NAME]
     assert list(health["sources"]) == ["aws"]
+
+
+def test_a_far_block_end_is_polled_rarely_and_stays_fresh(ec2: Ec2Emulator) -> None:
+    ec2.set_block_end(time.time() + 86400)  # a day away: the next poll is 15 min later
+    with serve_daemon(**daemon_settings(ec2, stale_after=1.0,
+                                        poll_schedule="adaptive")) as daemon:
+        wait_for(lambda: expiry(daemon)["source"] == NAME)
+        started = time.monotonic()
+        wait_for(lambda: time.monotonic() - started > 2.0, interval=0.2)
+        status, health = get_json(daemon.url + "/healthz")
+        body = expiry(daemon)
+    assert status == 200 and health["status"] == "ok"
+    assert body["stale"] is False  # fresh until the planned poll, not --stale-after
+    assert ec2.api_calls("DescribeCapacityReservations") == 1
+    assert ec2.api_calls("DescribeInstances") == 1
