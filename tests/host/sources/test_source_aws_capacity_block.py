@@ -379,3 +379,55 @@ def test_a_far_block_end_is_polled_rarely_and_stays_fresh(ec2: Ec2Emulator) -> N
     assert body["stale"] is False  # fresh until the planned poll, not --stale-after
     assert ec2.api_calls("DescribeCapacityReservations") == 1
     assert ec2.api_calls("DescribeInstances") == 1
+
+
+def test_an_extension_after_the_final_save_resumes_the_guarded_loop(
+        ec2: Ec2Emulator, caplog: pytest.LogCaptureFixture) -> None:
+    """The renewal as the training side meets it: saved for the block's end, waiting in
+    should_stop(), then the block is extended and training goes on in the same process."""
+    import logging
+    import threading
+
+    from sidecar.train.client import SidecarClient
+    from sidecar.train.guard import CheckpointGuard
+    from sidecar.train.policy import SavePolicy
+
+    caplog.set_level(logging.INFO, logger="sidecar.train.guard")
+    ec2.set_block_end(time.time() + TERMINATION_LEAD_SECONDS + 4)  # EC2 acts in 4 s
+    steps: list[int] = []
+    saves: list[int] = []
+    outcome: dict[str, Any] = {}
+    with serve_daemon(**daemon_settings(ec2, poll_interval=0.2)) as daemon:
+        wait_for(lambda: expiry(daemon)["source"] == NAME)
+        guard = CheckpointGuard(SidecarClient(daemon.url),
+                                SavePolicy(save_seconds=0.5, redundant_seconds=1.5),
+                                refresh_seconds=0.1, environ={})
+
+        def loop() -> None:
+            try:
+                for step in range(10_000):
+                    with guard.step():
+                        time.sleep(0.2)
+                    steps.append(step)
+                    if guard.should_save():
+                        with guard.saving(step):
+                            saves.append(step)
+                    if guard.should_stop():
+                        outcome["stopped"] = time.time()
+                        return
+            except BaseException as exc:  # reported to the test
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        wait_for(lambda: saves or outcome, timeout=15)
+        saved_step = saves[0]
+        wait_for(lambda: steps and steps[-1] == saved_step, timeout=5)
+        ec2.extend_block(4)  # extended: EC2 now acts 4 s later than it would have
+        wait_for(lambda: steps[-1] > saved_step or outcome, timeout=10)
+        assert "error" not in outcome and "stopped" not in outcome  # training goes on
+        thread.join(20)
+    assert not thread.is_alive() and "error" not in outcome
+    assert len(saves) == 2 and saves[1] > saved_step  # a final save for the new end too
+    assert guard.released is True
+    assert any("the release moved later" in r.getMessage() for r in caplog.records)
