@@ -431,3 +431,13 @@ def test_an_extension_after_the_final_save_resumes_the_guarded_loop(
     assert len(saves) == 2 and saves[1] > saved_step  # a final save for the new end too
     assert guard.released is True
     assert any("the release moved later" in r.getMessage() for r in caplog.records)
+
+
+def test_a_loopback_ec2_endpoint_is_the_emulator_polled_fast_without_a_budget() -> None:
+    emulated = load_settings({"source": [NAME], "poll_interval": "0.5"},
+                             environ={"ESI_SIDECAR_AWS_EC2_ENDPOINT": "http://127.0.0.1:9001"})
+    assert emulated.poll_interval == 0.5 and emulated.effective_max_api_rate is None
+    from sidecar.host.settings import ConfigError
+    with pytest.raises(ConfigError, match="where a cloud API is polled"):
+        load_settings({"source": [NAME], "poll_interval": "1"}, environ={})
+    assert load_settings({"source": [NAME]}, environ={}).effective_max_api_rate == 720.0
