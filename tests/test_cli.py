@@ -141,6 +141,9 @@ def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: in
         imds.schedule_maintenance(time.time() + 7200)
         imds.recommend_rebalance(time.time())
         wait_for(lambda: len(get_json(daemon.url + "/v1/expiry")[1]["notices"]) == 3)
+        # The capacity-block source answers its probe too (the same IMDS), then finds no
+        # AWS credentials here: skipped with that reason once its first poll has run.
+        wait_for(lambda: "aws-capacity-block" in get_json(daemon.url + "/healthz")[1]["skipped"])
         status = cli("status", "--url", daemon.url)
     lines = status.stdout.splitlines()
     assert status.returncode == 0, status.stderr
@@ -151,9 +154,11 @@ def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: in
     assert "advice" in notices[2] and "rebalance recommended" in notices[2]
     assert "sources: aws" in lines
     skipped = lines[lines.index("not on this machine:") + 1:]
-    assert [line.split()[0] for line in skipped] == ["azure", "gcp", "volcengine-esi",
-                                                     "volcengine-events", "volcengine-spot"]
-    assert all("cannot connect" in line for line in skipped)
+    assert [line.split()[0] for line in skipped] == ["aws-capacity-block", "azure", "gcp",
+                                                     "volcengine-esi", "volcengine-events",
+                                                     "volcengine-spot"]
+    assert "no AWS credentials" in skipped[0]
+    assert all("cannot connect" in line for line in skipped[1:])
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])

@@ -123,9 +123,15 @@ class Settings:
         against a loopback --api-endpoint (the emulator: no account to protect)."""
         if self.max_api_rate is not None:
             return self.max_api_rate
-        if self.api_endpoint is not None and _is_loopback_url(self.api_endpoint):
+        if self.emulated_api:
             return None
         return DEFAULT_MAX_API_RATE
+
+    @property
+    def emulated_api(self) -> bool:
+        """A loopback --api-endpoint or --aws-ec2-endpoint: the emulator."""
+        endpoints = (self.api_endpoint, self.source_options.get("aws_ec2_endpoint"))
+        return any(isinstance(url, str) and _is_loopback_url(url) for url in endpoints)
 
     @property
     def effective_stale_after(self) -> float:
@@ -498,8 +504,7 @@ def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:
     endpoint, and sources that call no API, may poll faster, down to
     MIN_POLL_INTERVAL_SECONDS."""
     api = [name for name in settings.sources if name in API_SOURCES]
-    emulated = settings.api_endpoint is not None and _is_loopback_url(settings.api_endpoint)
-    if not api or emulated:
+    if not api or settings.emulated_api:
         if settings.poll_interval < MIN_POLL_INTERVAL_SECONDS:
             raise ConfigError(f"invalid {origin} value {raw!r}: must be at least "
                               f"{MIN_POLL_INTERVAL_SECONDS:g} s")
@@ -509,10 +514,10 @@ def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:
     calls = 3600 / settings.poll_interval
     raise ConfigError(
         f"invalid {origin} value {raw!r}: must be at least {MIN_API_POLL_INTERVAL_SECONDS:g} s "
-        f"where the Volcengine OpenAPI is polled (--source {','.join(api)}): that is "
+        f"where a cloud API is polled (--source {','.join(api)}): that is "
         f"{calls:,.0f} calls per source per host-hour, the default "
         f"{_DEFAULTS.poll_interval:g} s makes {3600 / _DEFAULTS.poll_interval:.0f}; only a "
-        "loopback --api-endpoint (the emulator) may be polled faster"
+        "loopback --api-endpoint or --aws-ec2-endpoint (the emulator) may be polled faster"
     )
 
 

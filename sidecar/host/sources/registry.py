@@ -24,6 +24,7 @@ SOURCES: dict[str, str] = {
     "volcengine-events": "sidecar.host.sources.volcengine_events",
     "volcengine-spot": "sidecar.host.sources.volcengine_spot",
     "aws": "sidecar.host.sources.aws",
+    "aws-capacity-block": "sidecar.host.sources.aws_capacity_block",
     "gcp": "sidecar.host.sources.gcp",
     "azure": "sidecar.host.sources.azure",
     "env": "sidecar.host.sources.env",

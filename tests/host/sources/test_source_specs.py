@@ -48,13 +48,16 @@ def test_every_registry_entry_declares_a_consistent_spec() -> None:
 
 def test_the_specs_say_what_the_name_sets_said() -> None:
     traits = registry.traits_of(registry.SOURCES)
-    assert {n for n, t in traits.items() if t.adaptive} == {"volcengine-esi"}
+    assert {n for n, t in traits.items() if t.adaptive} == {"volcengine-esi",
+                                                            "aws-capacity-block"}
     assert {n for n, t in traits.items() if t.api_budget} == {"volcengine-esi",
-                                                              "volcengine-events"}
+                                                              "volcengine-events",
+                                                              "aws-capacity-block"}
     assert {n: t.poll_interval_seconds for n, t in traits.items() if t.poll_interval_seconds} \
         == {"aws": 2.0, "gcp": 1.0, "azure": 1.0, "volcengine-spot": 1.8}
     assert registry.auto_candidates() == ("volcengine-esi", "volcengine-events",
-                                          "volcengine-spot", "aws", "gcp", "azure")
+                                          "volcengine-spot", "aws", "aws-capacity-block", "gcp",
+                                          "azure")
 
 
 def _run(code: str, *, path: Path) -> str:
