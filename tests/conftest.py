@@ -35,6 +35,15 @@ def _loopback_only(connect: Any) -> Any:
 socket.socket.connect = _loopback_only(socket.socket.connect)  # type: ignore[method-assign]
 socket.socket.connect_ex = _loopback_only(socket.socket.connect_ex)  # type: ignore[method-assign]
 
+# The machine's own cloud credentials never reach a test (or a daemon it starts): a test
+# that wants credentials sets them itself, so one that must run without them cannot pick
+# up a developer's ~/.aws and start a source that then talks to a stand-in it did not set up.
+for _name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+              "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+    os.environ.pop(_name, None)
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+os.environ["AWS_CONFIG_FILE"] = os.devnull
+
 # CI sets this: there every tool and package is installed on purpose, so a skip means
 # something went missing and must not pass for green. The one skip allowed names a
 # kernel feature, not an install step.
