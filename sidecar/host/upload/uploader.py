@@ -1,8 +1,10 @@
 """The daemon's upload thread: each complete local checkpoint to storage, newest first.
 
 A cycle: scan the checkpoint root (``list_checkpoints``: manifest present, sizes match),
-pick the newest checkpoint not yet durable, upload it (``transfer.upload_checkpoint``:
-manifest last), repeat; sleep until the folder changes (inotify) or the next rescan.
+pick the newest checkpoint not yet durable, commit it at the destination (the files
+sent while it was saved checked, the others sent: ``commit_check.complete``, manifest
+last), repeat; with nothing to commit, send one finished file of a save in progress
+(``stream``); sleep until the folder changes (inotify) or the next rescan.
 
 - Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
   is durable every older one still waiting is skipped: resuming needs only the newest.
