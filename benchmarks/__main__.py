@@ -129,6 +129,18 @@ def _upload(quick: bool) -> dict[str, Any]:
     return bench_upload.main(quick=quick)
 
 
+def _stream(quick: bool) -> dict[str, Any]:
+    # benchmarks/bench_stream.py: needs boto3 and moto[server] for its S3 half.
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as exc:
+        raise NotRun(f"{exc.name} is not installed (the [server] and [test] extras)") from None
+    from benchmarks import bench_stream
+
+    return bench_stream.main(quick=quick)
+
+
 def _soak(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_soak import main
 
@@ -152,6 +164,8 @@ BENCHMARKS = (
               _checkpoint),
     Benchmark("upload", "checkpoint upload: the uploader vs boto3 upload_file, to moto on "
               "loopback", _upload),
+    Benchmark("stream", "streaming upload: save start to durable while the save writes vs "
+              "after it, and unchanged files (volume, moto)", _stream),
     Benchmark("soak", "the daemon for 10 min: 64 keep-alive clients, hostile connections, "
               "rotating cloud faults", _soak),
 )

@@ -13,6 +13,10 @@ Modules, one job each:
 - ``location``: ``s3://bucket/prefix`` and the key layout (standard library only);
 - ``storage``: the boto3 client and transfer settings, errors in one clear line;
 - ``transfer``: one checkpoint up (manifest last) or down (verified);
+- ``stream``: saves in progress, and which of their files are finished (sent early);
+- ``commit_check``: every file sent early checked against the manifest that lands;
+- ``volume_stage``, ``s3_stage``: the files at the destination before the commit (a hidden
+  folder; multipart uploads completed at the commit), unchanged ones linked or copied;
 - ``status``: what ``GET /v1/uploads`` and ``/metrics`` show (standard library only);
 - ``watch``: inotify (watchdog) on the checkpoint folder, polling as the fallback;
 - ``uploader``: the daemon's thread: order, retries, pins, yielding near the release;

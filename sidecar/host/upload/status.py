@@ -56,6 +56,10 @@ class UploadRecord:
     # complete later; None when the first scan found it. Azure approval reads this, never
     # created_at_unix, which the job writes (issue 22, item 5).
     appeared_after_unix: Optional[float] = None
+    # Bytes the upload still had to send once the save had ended (the files not sent while
+    # it was written, nor copied from an equal durable file): what the next estimate
+    # counts (issue 23). None until uploaded here.
+    bytes_after_save: Optional[int] = None
 
     def newer_than(self, other: UploadRecord) -> bool:
         return (self.step, self.created_at_unix) > (other.step, other.created_at_unix)
@@ -146,8 +150,13 @@ class UploadTracker:
             if old is not None:
                 self._records[name] = replace(old, bytes_done=max(0, old.bytes_done + count))
 
-    def record_done(self, name: str, *, duration: Optional[float], note: Optional[str]) -> None:
-        """``name`` is durable remotely: its manifest is there and matches ours."""
+    def record_done(self, name: str, *, duration: Optional[float], note: Optional[str],
+                    sent_after_save: Optional[int] = None, sent: Optional[int] = None,
+                    send_seconds: Optional[float] = None) -> None:
+        """``name`` is durable remotely: its manifest is there and matches ours.
+        ``duration``: from the end of its save (the scan that found it) to durable;
+        ``sent`` bytes in ``send_seconds`` (streamed before the save ended included) give
+        the throughput; ``sent_after_save`` is what the next estimate counts."""
         now = self._clock()
         with self._lock:
             old = self._records.get(name)
@@ -156,10 +165,14 @@ class UploadTracker:
             new = replace(
                 old, state="done", bytes_done=old.bytes_total, finished_at_unix=now,
                 duration_seconds=duration, error=None, note=note, retry_at_unix=None,
+                bytes_after_save=sent_after_save,
             )
             self._records[name] = new
             if duration is not None:
-                if duration > 0 and new.bytes_total > 0:
+                if sent is not None and send_seconds is not None:
+                    if sent > 0 and send_seconds > 0:
+                        self._rates.append((sent, send_seconds))
+                elif duration > 0 and new.bytes_total > 0:
                     self._rates.append((new.bytes_total, duration))
                 self._completed += 1
                 self._duration_sum += duration
@@ -230,8 +243,19 @@ class UploadTracker:
         the largest recent checkpoint over :meth:`throughput`, with a margin
         (``plan.next_upload_seconds``). None before a checkpoint was seen, or while no
         throughput is known (no upload measured and no ``--upload-max-bandwidth``)."""
-        sizes = [r.bytes_total for r in self.records()]  # newest first
-        return plan.next_upload_seconds(sizes, self.throughput())
+        # The bytes each recent upload had to send after its save ended (streamed and
+        # unchanged files not counted; all of a checkpoint not uploaded yet), newest first.
+        records = self.records()
+        sizes = [r.bytes_total if r.bytes_after_save is None else r.bytes_after_save
+                 for r in records]
+        estimate = plan.next_upload_seconds(sizes, self.throughput())
+        if estimate is None:
+            return None
+        # A commit that sends nothing still takes time (fsync, rename, the last requests):
+        # never less than the recent measured times from the end of a save to durable.
+        measured = [r.duration_seconds for r in records[:plan.SIZE_WINDOW]
+                    if r.bytes_after_save is not None and r.duration_seconds is not None]
+        return max([estimate, *(seconds * plan.ESTIMATE_MARGIN for seconds in measured)])
 
     def durability(self) -> tuple[Optional[float], str]:
         """What ``/v1/expiry`` serves: ``(next_upload_seconds, status)``."""

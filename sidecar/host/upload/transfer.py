@@ -15,29 +15,27 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from boto3.s3.transfer import create_transfer_manager
-from botocore.exceptions import ClientError
 from s3transfer.subscribers import BaseSubscriber
 
 from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
-    FileEntry,
     Invalid,
     open_listed,
     read_manifest,
 )
+from sidecar.host.upload.commit_check import DurableFile, Staging, complete
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.s3_stage import S3Staging, read_remote_manifest, verify_sizes
 from sidecar.host.upload.storage import (
     StorageConfig,
-    StorageError,
     describe_error,
-    is_not_found,
     transfer_config,
 )
 from sidecar.host.upload.volume import Cancelled  # one class for both destinations
@@ -109,18 +107,6 @@ def parse_manifest(raw: bytes, folder: Path) -> CheckpointInfo:
                           info.files)
 
 
-def read_remote_manifest(client: Any, location: S3Location, name: str) -> Optional[bytes]:
-    """The remote manifest's bytes, or None when there is none (an incomplete folder)."""
-    try:
-        response = client.get_object(Bucket=location.bucket, Key=location.manifest_key(name))
-    except ClientError as exc:
-        if is_not_found(exc):
-            return None
-        raise
-    body: bytes = response["Body"].read()
-    return body
-
-
 def list_remote_names(client: Any, location: S3Location) -> list[str]:
     """Folder names directly under the prefix (complete or not)."""
     names = []
@@ -169,22 +155,6 @@ def _run_transfers(
         manager.shutdown()  # waits for cancelled transfers to wind down
 
 
-def _verify_sizes(
-    client: Any, storage: StorageConfig, location: S3Location, name: str,
-    files: Sequence[FileEntry],
-) -> None:
-    def check(entry: FileEntry) -> None:
-        head = client.head_object(Bucket=location.bucket, Key=location.key(name, entry.path))
-        if int(head["ContentLength"]) != entry.size:
-            raise StorageError(
-                f"{entry.path}: stored object is {head['ContentLength']} bytes, the manifest "
-                f"says {entry.size}"
-            )
-
-    with ThreadPoolExecutor(max_workers=max(1, min(storage.concurrency, len(files) or 1))) as pool:
-        list(pool.map(check, files))
-
-
 def upload_checkpoint(
     client: Any,
     storage: StorageConfig,
@@ -227,7 +197,7 @@ def upload_checkpoint(
         for handle in handles:
             os.close(handle)
     _phase("files-uploaded", name)
-    _verify_sizes(client, storage, location, name, info.files)
+    verify_sizes(client, storage, location, name, info.files)
     _phase("sizes-verified", name)
     before_manifest()
     client.put_object(
@@ -314,6 +284,22 @@ class S3Destination:
     def remote_manifest(self, name: str) -> Optional[bytes]:
         return read_remote_manifest(self.client(), self.location, name)
 
+    def open_staging(self, name: str) -> S3Staging:
+        """Unfinished multipart uploads for ``name``'s files until its manifest lands."""
+        return S3Staging(self.client(), self.storage, self.location, name, phase=_phase)
+
+    def durable_files(self, name: str) -> dict[str, DurableFile]:
+        """The files of the durable checkpoint ``name`` whose sha256 its manifest records."""
+        raw = self.remote_manifest(name)
+        if raw is None:
+            return {}
+        try:
+            info = parse_manifest(raw, Path(name))
+        except Invalid:
+            return {}
+        return {entry.path: DurableFile(name, entry.size, entry.sha256)
+                for entry in info.files if entry.sha256}
+
     def upload(
         self,
         info: CheckpointInfo,
@@ -322,10 +308,19 @@ class S3Destination:
         on_progress: Callable[[int], None],
         should_stop: Callable[[], Optional[str]],
         before_manifest: Callable[[], None],
+        staging: Optional[Staging] = None,
+        durable: Mapping[str, DurableFile] = MappingProxyType({}),
     ) -> None:
-        upload_checkpoint(self.client(), self.storage, self.location, info, manifest,
-                          on_progress=on_progress, should_stop=should_stop,
-                          before_manifest=before_manifest)
+        """Commit ``info``: the files ``staging`` holds already (sent while the save wrote
+        them) are checked against the manifest, the others sent or copied server-side,
+        then completed, checked (HeadObject) and the manifest written last."""
+        staged = staging if staging is not None else self.open_staging(info.name)
+        try:
+            complete(staged, info, manifest, durable=durable, on_progress=on_progress,
+                     should_stop=should_stop, before_manifest=before_manifest)
+        except BaseException:
+            staged.discard()
+            raise
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
         return describe_error(exc, self.storage, doing)

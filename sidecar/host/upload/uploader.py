@@ -1,8 +1,10 @@
 """The daemon's upload thread: each complete local checkpoint to storage, newest first.
 
 A cycle: scan the checkpoint root (``list_checkpoints``: manifest present, sizes match),
-pick the newest checkpoint not yet durable, upload it (``transfer.upload_checkpoint``:
-manifest last), repeat; sleep until the folder changes (inotify) or the next rescan.
+pick the newest checkpoint not yet durable, commit it at the destination (the files
+sent while it was saved checked, the others sent: ``commit_check.complete``, manifest
+last), repeat; with nothing to commit, send one finished file of a save in progress
+(``stream``); sleep until the folder changes (inotify) or the next rescan.
 
 - Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
   is durable every older one still waiting is skipped: resuming needs only the newest.
@@ -30,20 +32,28 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
-from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER
+from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER, Invalid
 from sidecar.host.settings import (
     DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
     DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
 )
 from sidecar.host.upload import plan
+from sidecar.host.upload.commit_check import DurableFile, Staging, reuse
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
+from sidecar.host.upload.stream import (
+    DEFAULT_SETTLE_SECONDS,
+    SaveInProgress,
+    StreamWatcher,
+    folder_id,
+)
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
@@ -70,11 +80,20 @@ class Destination(Protocol):
 
     def upload(self, info: CheckpointInfo, manifest: bytes, *,
                on_progress: Callable[[int], None], should_stop: Callable[[], Optional[str]],
-               before_manifest: Callable[[], None]) -> None: ...
+               before_manifest: Callable[[], None], staging: Optional[Staging] = None,
+               durable: Mapping[str, DurableFile] = ...) -> None: ...
 
     def describe_error(self, exc: BaseException, doing: str) -> str: ...
 
     def reset(self) -> None: ...
+
+    def open_staging(self, name: str) -> Staging:
+        """Where ``name``'s files go before its manifest lands (nothing visible)."""
+        ...
+
+    def durable_files(self, name: str) -> dict[str, DurableFile]:
+        """The files of the durable checkpoint ``name`` with a known sha256."""
+        ...
 
 log = logging.getLogger("sidecar.host.upload")
 
@@ -96,6 +115,10 @@ class UploaderConfig:
     scan_interval_seconds: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     backoff_base_seconds: float = 1.0
     backoff_cap_seconds: float = 60.0
+    # Send each file of a save in progress once finished (issue 23, item 1); off: only
+    # committed checkpoints, as before (the benchmark's baseline).
+    stream: bool = True
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS
 
 
 class _Stale(Exception):
@@ -133,6 +156,11 @@ class Uploader:
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._watch = FolderWatch(config.root, self.wake)
+        self._stream = StreamWatcher(config.root, settle_seconds=config.settle_seconds,
+                                     on_change=self.wake) if config.stream else None
+        # The newest checkpoint this uploader made durable: its files, which an unchanged
+        # file of the next one reuses (issue 23, item 2).
+        self._durable: dict[str, DurableFile] = {}
         self._started_at = clock()
         self._prepared = False
         self._storage_retry_at = 0.0
@@ -167,6 +195,10 @@ class Uploader:
             self._thread.join(max(0.1, stop_by - time.monotonic()))
             if self._thread.is_alive():
                 log.warning("the upload thread did not stop within %.0f s", timeout)
+                return
+        if self._stream is not None:  # staged files of saves never committed: not kept
+            for save in self._stream.stop():
+                self._discard(save)
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -207,8 +239,16 @@ class Uploader:
                 self._failed(None, self.destination.describe_error(exc, "preparing"))
                 return 0.0
             self._prepared = True
+        if self._stream is not None:
+            for save in self._stream.scan():
+                log.info("the save of %s was abandoned (%s is gone); its %d staged file(s) "
+                         "are discarded", save.name, save.path.name,
+                         len(save.staging.files) if save.staging else 0)
+                self._discard(save)
         record = self._next()
         if record is None:
+            if self._stream_once():
+                return 0.0
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
@@ -219,6 +259,8 @@ class Uploader:
         for record in self.tracker.records():
             if record.state == "failed" and record.retry_at_unix is not None:
                 waits.append(max(0.0, record.retry_at_unix - now))
+        if self._stream is not None and self._stream.waiting():
+            waits.append(self.config.settle_seconds / 4)  # files may settle meanwhile
         return max(0.01, min(waits))
 
     # ------------------------------------------------------------------ scanning
@@ -307,8 +349,13 @@ class Uploader:
         info = next((i for i in self._local() if i.name == record.name), None)
         if info is None:
             return  # no longer complete (being replaced): the next scan decides
+        ident = folder_id(folder)
+        save = (self._stream.take(ident, record.name)
+                if self._stream is not None and ident is not None else None)
+        streamed = save.sent_bytes if save is not None else 0
         self.tracker.update(
-            record.name, state="uploading", attempts=record.attempts + 1, bytes_done=0,
+            record.name, state="uploading", attempts=record.attempts + 1,
+            bytes_done=min(streamed, record.bytes_total),
             started_at_unix=self._clock(), finished_at_unix=None, error=None, note=None,
         )
         started = time.monotonic()
@@ -317,16 +364,24 @@ class Uploader:
             remote = self.destination.remote_manifest(record.name)
             self.tracker.storage_ok()
             if remote == raw:
+                if save is not None:
+                    self._discard(save)
                 self.tracker.record_done(record.name, duration=None,
                                          note="already complete in storage")
                 log.info("%s is already complete in %s", record.name, self.destination.url)
+                self._durable = self.destination.durable_files(record.name)
                 self._succeeded()
             else:
-                self._upload(record, info, raw, folder, inode)
+                sent = self._upload(record, info, raw, folder, inode, save)
                 duration = time.monotonic() - started
-                self.tracker.record_done(record.name, duration=duration, note=None)
-                log.info("uploaded %s (%d bytes, %d files) to %s in %.1f s", record.name,
-                         info.total_bytes, len(info.files), self.destination.url, duration)
+                self.tracker.record_done(
+                    record.name, duration=duration, note=None, sent_after_save=sent,
+                    sent=streamed + sent,
+                    send_seconds=(save.send_seconds if save else 0.0) + duration)
+                log.info("uploaded %s (%d bytes, %d files; %d bytes sent after the save, %d "
+                         "before) to %s in %.1f s after the save", record.name,
+                         info.total_bytes, len(info.files), sent, streamed,
+                         self.destination.url, duration)
                 self._succeeded()
         except Cancelled as exc:
             self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
@@ -346,7 +401,9 @@ class Uploader:
             self._keep_local()
 
     def _upload(self, record: UploadRecord, info: CheckpointInfo, raw: bytes,
-                folder: Path, inode: int) -> None:
+                folder: Path, inode: int, save: Optional[SaveInProgress]) -> int:
+        """Commit ``record``: the files sent while it was saved are checked, the others
+        sent (or copied from the last durable checkpoint). Returns the bytes sent now."""
         def unchanged() -> None:
             try:
                 same = (os.stat(folder).st_ino == inode
@@ -356,12 +413,80 @@ class Uploader:
             if not same:
                 raise _Stale("the local checkpoint was replaced or removed during the upload")
 
+        sent = [0]
+
+        def progress(count: int) -> None:
+            sent[0] += count
+            self.tracker.add_progress(record.name, count)
+
+        staging = save.staging if save is not None else None
+        if staging is None:
+            staging = self.destination.open_staging(record.name)
         self.destination.upload(
-            info, raw,
-            on_progress=lambda count: self.tracker.add_progress(record.name, count),
-            should_stop=lambda: self._should_yield(record),
-            before_manifest=unchanged,
+            info, raw, on_progress=progress, should_stop=lambda: self._should_yield(record),
+            before_manifest=unchanged, staging=staging, durable=self._durable,
         )
+        self._durable = {staged.path: DurableFile(record.name, staged.size, staged.sha256)
+                         for staged in staging.files.values()}
+        return max(0, sent[0])
+
+    # ------------------------------------------------------------------ streaming
+
+    def _stream_once(self) -> bool:
+        """Send one finished file of a save in progress. True when there was one."""
+        if self._stream is None:
+            return False
+        found = self._stream.ready()
+        if found is None:
+            return False
+        save, relative, key = found
+        save.tried[relative] = key  # whatever happens, not again at this key
+        started = time.monotonic()
+        try:
+            if save.staging is None:
+                save.staging = self.destination.open_staging(save.name)
+            staged = reuse(save.staging, save.path, relative, key[1], None, self._durable)
+            if staged is None:
+                before = save.sent_bytes
+
+                def progress(count: int) -> None:
+                    save.sent_bytes += count
+                    self.tracker.add_progress(save.name, count)  # no record yet: the total
+
+                staged = save.staging.send(save.path, relative, on_progress=progress,
+                                           should_stop=lambda: self._stream_stop(save))
+                if staged is None:
+                    save.sent_bytes = before
+            if staged is not None and staged.key != key:
+                save.tried[relative] = staged.key
+        except Cancelled as exc:
+            save.tried.pop(relative, None)
+            log.info("stopped sending %s/%s early: %s", save.name, relative, exc)
+        except (Invalid, FileNotFoundError, NotADirectoryError) as exc:
+            log.debug("not sending %s/%s early: %s", save.name, relative, exc)
+        except Exception as exc:  # the destination: backed off as any upload failure
+            save.tried.pop(relative, None)
+            self._failed(None, self.destination.describe_error(
+                exc, f"sending {save.name}/{relative} early"))
+        save.send_seconds += time.monotonic() - started
+        return True
+
+    def _stream_stop(self, save: SaveInProgress) -> Optional[str]:
+        if self._stop.is_set():
+            return "the daemon is stopping"
+        if not save.path.exists() and folder_id(self.config.root / save.name) != save.folder:
+            return "the save's folder is gone"
+        return None
+
+    def _discard(self, save: SaveInProgress) -> None:
+        if save.staging is None:
+            return
+        try:
+            save.staging.discard()
+        except Exception as exc:
+            log.warning("could not discard the staged files of %s: %s", save.name,
+                        self.destination.describe_error(exc, "discarding"))
+        save.staging = None
 
     def _should_yield(self, current: UploadRecord) -> Optional[str]:
         """Checked while transfers run: a reason to stop this upload, or None."""

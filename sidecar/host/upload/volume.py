@@ -18,12 +18,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, Optional
 
-from sidecar.checkpoint.durable import fsync_path, replace_atomically, sync_tree, write_durably
+from sidecar.checkpoint.durable import replace_atomically
 from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
 from sidecar.checkpoint.leftovers import clean_leftovers, writer_tag
 from sidecar.checkpoint.manifest import (
@@ -34,8 +35,18 @@ from sidecar.checkpoint.manifest import (
     Invalid,
     check_files,
     open_listed,
+    read_manifest,
 )
+from sidecar.host.upload.commit_check import DurableFile, Staging, complete
 from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
+from sidecar.host.upload.volume_stage import (
+    Cancelled,
+    Throttle,
+    VolumeStaging,
+    seal_folder,
+    staging_folder,
+    token,
+)
 
 __all__ = [
     "COPY_ATTEMPTS",
@@ -59,71 +70,23 @@ _CHUNK = 4 << 20
 COPY_ATTEMPTS = 3  # copies of a file that does not match its manifest before giving up
 
 
-class Cancelled(Exception):
-    """The copy stopped on request (``should_stop`` gave this reason)."""
-
-
-class Throttle:
-    """Keeps a transfer at or under ``bytes_per_second`` (None: no limit)."""
-
-    def __init__(self, bytes_per_second: Optional[int],
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.rate = bytes_per_second
-        self._sleep = sleep
-        self._started = time.monotonic()
-        self._sent = 0
-
-    def __call__(self, count: int) -> None:
-        if not self.rate:
-            return
-        self._sent += count
-        ahead = self._sent / self.rate - (time.monotonic() - self._started)
-        if ahead > 0:
-            self._sleep(ahead)
-
-
-def _token() -> str:
-    return os.urandom(4).hex()
-
-
 def commit_folder(
     root: Path, name: str, manifest: bytes, fill: Callable[[Path], None],
     before_rename: Callable[[], None] = lambda: None,
 ) -> Path:
     """Commit a checkpoint folder ``root/<name>`` whose files ``fill(temp)`` writes (and
-    checks) into a temporary folder; then every file and folder is fsynced, ``manifest``
-    written last, the folder renamed into place (an existing one moved aside first, and
-    back if the rename fails) and ``root`` fsynced. The same commit as
+    checks) into a temporary folder, then :func:`seal_folder`. The same commit as
     ``atomic_checkpoint``, for copies that bring their manifest along: a volume upload
     and both restores. ``before_rename`` may raise to give up at the last moment (a
     volume proves it is still the volume it was)."""
-    temp = root / f".tmp-{name}.{writer_tag()}.{_token()}"
+    temp = staging_folder(root, name)
     temp.mkdir()
-    final = root / name
-    aside: Optional[Path] = None
     try:
         fill(temp)
-        sync_tree(temp)  # every file and folder, deepest first
-        write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
-        fsync_path(temp)
-        before_rename()
-        if os.path.lexists(final):  # the same name saved again: the new one replaces it
-            aside = root / f".old-{name}.{writer_tag()}.{_token()}"
-            os.rename(final, aside)
-        try:
-            os.rename(temp, final)
-        except BaseException:
-            if aside is not None:
-                os.rename(aside, final)
-                aside = None
-            raise
-        fsync_path(root)
+        return seal_folder(root, name, temp, manifest, before_rename)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)  # after the fsync: the new one is durable
-    return final
 
 
 def copy_checkpoint(
@@ -215,7 +178,7 @@ def point_latest(root: Path, name: str) -> None:
     newest = latest_valid(root, clean=False)
     if newest is not None and newest.name == name:
         replace_atomically(root / LATEST_NAME, f"{name}\n".encode(),
-                           temp_name=f".tmp-{LATEST_NAME}.{writer_tag()}.{_token()}")
+                           temp_name=f".tmp-{LATEST_NAME}.{writer_tag()}.{token()}")
 
 
 def newest_on_volume(root: Path, step: Optional[int] = None) -> Optional[CheckpointInfo]:
@@ -278,6 +241,21 @@ class VolumeDestination:
         self.identity.confirm()  # "already complete there" counts as durable too
         return raw
 
+    def open_staging(self, name: str) -> VolumeStaging:
+        """A hidden folder for ``name``'s files before its manifest lands (streaming)."""
+        self.identity.confirm()  # no byte onto the host's disk in the volume's place
+        return VolumeStaging(self.root, name, max_bandwidth=self.max_bandwidth,
+                             before_rename=self.identity.confirm)
+
+    def durable_files(self, name: str) -> dict[str, DurableFile]:
+        """The files of the durable checkpoint ``name`` whose sha256 its manifest records."""
+        try:
+            info = read_manifest(self.root / name)
+        except Invalid:
+            return {}
+        return {entry.path: DurableFile(name, entry.size, entry.sha256)
+                for entry in info.files if entry.sha256}
+
     def upload(
         self,
         info: CheckpointInfo,
@@ -286,12 +264,19 @@ class VolumeDestination:
         on_progress: Callable[[int], None],
         should_stop: Callable[[], Optional[str]],
         before_manifest: Callable[[], None],
+        staging: Optional[Staging] = None,
+        durable: Mapping[str, DurableFile] = MappingProxyType({}),
     ) -> None:
-        self.identity.confirm()  # no byte onto the host's disk in the volume's place
-        copy_checkpoint(info, manifest, self.root, on_progress=on_progress,
-                        should_stop=should_stop, before_manifest=before_manifest,
-                        before_rename=self.identity.confirm,
-                        max_bandwidth=self.max_bandwidth)
+        """Commit ``info``: the files ``staging`` holds already (sent while the save wrote
+        them) are checked against the manifest, the others sent or linked, the manifest
+        written last (``commit_check.complete``)."""
+        staged = staging if staging is not None else self.open_staging(info.name)
+        try:
+            complete(staged, info, manifest, durable=durable, on_progress=on_progress,
+                     should_stop=should_stop, before_manifest=before_manifest)
+        except BaseException:
+            staged.discard()
+            raise
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
         if isinstance(exc, NotTheVolume):

@@ -1,0 +1,205 @@
+"""A checkpoint's files on the volume before it is visible: a hidden folder filled file by
+file while the save still writes, committed by the manifest (issue 23, items 1 and 2).
+
+The folder is named like a save's temporary folder (``.tmp-<name>.<writer>.<token>``), so
+a killed daemon's is removed by ``clean_leftovers`` at the next start, and
+:func:`~sidecar.host.upload.volume.seal_folder` commits it as every volume copy is
+committed: files fsynced, manifest last, rename, root fsynced. A file equal to one of a
+durable checkpoint on the volume is a hard link to it (``copy_file_range`` where a link
+is refused), so each checkpoint folder owns all its files and deleting one never takes a
+file from another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from sidecar.checkpoint.durable import fsync_path, sync_tree, write_durably
+from sidecar.checkpoint.leftovers import writer_tag
+from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, open_listed
+from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, stat_key
+
+__all__ = ["Cancelled", "Throttle", "VolumeStaging", "seal_folder", "staging_folder", "token"]
+
+_CHUNK = 4 << 20
+
+
+class Cancelled(Exception):
+    """The copy stopped on request (``should_stop`` gave this reason)."""
+
+
+class Throttle:
+    """Keeps a transfer at or under ``bytes_per_second`` (None: no limit)."""
+
+    def __init__(self, bytes_per_second: Optional[int],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.rate = bytes_per_second
+        self._sleep = sleep
+        self._started = time.monotonic()
+        self._sent = 0
+
+    def __call__(self, count: int) -> None:
+        if not self.rate:
+            return
+        self._sent += count
+        ahead = self._sent / self.rate - (time.monotonic() - self._started)
+        if ahead > 0:
+            self._sleep(ahead)
+
+
+def token() -> str:
+    return os.urandom(4).hex()
+
+
+def staging_folder(root: Path, name: str) -> Path:
+    """A hidden folder for ``name``'s files before the commit, named like a save's, so
+    ``clean_leftovers`` removes it once its writer is gone."""
+    return root / f".tmp-{name}.{writer_tag()}.{token()}"
+
+
+def seal_folder(root: Path, name: str, temp: Path, manifest: bytes,
+                before_rename: Callable[[], None] = lambda: None) -> Path:
+    """Every file and folder of ``temp`` fsynced, ``manifest`` written last, the folder
+    renamed to ``root/<name>`` (an existing one moved aside first, and back if the rename
+    fails) and ``root`` fsynced. On an error ``temp`` is left for the caller to remove."""
+    final = root / name
+    aside: Optional[Path] = None
+    sync_tree(temp)  # every file and folder, deepest first
+    write_durably(temp / MANIFEST_NAME, manifest)  # last: complete from here on
+    fsync_path(temp)
+    before_rename()
+    if os.path.lexists(final):  # the same name saved again: the new one replaces it
+        aside = root / f".old-{name}.{writer_tag()}.{token()}"
+        os.rename(final, aside)
+    try:
+        os.rename(temp, final)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, final)
+        raise
+    fsync_path(root)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)  # after the fsync: the new one is durable
+    return final
+
+
+class VolumeStaging:
+    """One checkpoint's hidden folder on the volume (the ``commit_check.Staging`` protocol)."""
+
+    def __init__(self, root: Path, name: str, *, max_bandwidth: Optional[int] = None,
+                 before_rename: Callable[[], None] = lambda: None) -> None:
+        self.root = root
+        self.name = name
+        self.max_bandwidth = max_bandwidth
+        self._before_rename = before_rename
+        self.temp = staging_folder(root, name)
+        self.temp.mkdir()
+        self.files: dict[str, StagedFile] = {}
+
+    def _target(self, relative: str) -> Path:
+        target = self.temp / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def send(self, folder: Path, relative: str, *, on_progress: Callable[[int], None],
+             should_stop: Callable[[], Optional[str]]) -> Optional[StagedFile]:
+        target = self._target(relative)
+        throttle = Throttle(self.max_bandwidth)  # per file: no credit from idle time
+        hasher = hashlib.sha256()
+        count = 0
+        with open(open_listed(folder, relative), "rb", buffering=0) as reader, \
+                open(target, "wb") as writer:
+            before = stat_key(os.fstat(reader.fileno()))
+            try:
+                while True:
+                    reason = should_stop()
+                    if reason:
+                        raise Cancelled(reason)
+                    chunk = reader.read(_CHUNK)
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+                    hasher.update(chunk)
+                    count += len(chunk)
+                    on_progress(len(chunk))
+                    throttle(len(chunk))
+                writer.flush()
+                os.fsync(writer.fileno())  # now, not at the commit: the commit stays short
+            except BaseException:
+                on_progress(-count)
+                raise
+            after = stat_key(os.fstat(reader.fileno()))
+        if before != after or count != after[1]:  # written to while it was read
+            on_progress(-count)
+            target.unlink()
+            self.files.pop(relative, None)
+            return None
+        staged = StagedFile(relative, count, hasher.hexdigest(), after)
+        self.files[relative] = staged
+        return staged
+
+    def copy(self, relative: str, durable: DurableFile, key: StatKey) -> Optional[StagedFile]:
+        source = self.root / durable.checkpoint / relative
+        try:
+            found = os.lstat(source)
+        except OSError:
+            return None
+        if not stat.S_ISREG(found.st_mode) or found.st_size != durable.size:
+            return None
+        target = self._target(relative)
+        try:
+            os.link(source, target, follow_symlinks=False)
+        except OSError:  # links refused here (EXDEV, EPERM, EMLINK): a copy in the kernel
+            if not _copy_in_kernel(source, target, durable.size):
+                return None
+        staged = StagedFile(relative, durable.size, durable.sha256, key,
+                            copied_from=durable.checkpoint)
+        self.files[relative] = staged
+        return staged
+
+    def drop(self, relative: str) -> None:
+        self.files.pop(relative, None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.temp / relative).unlink()
+
+    def finish(self, info: CheckpointInfo, manifest: bytes) -> None:
+        try:
+            seal_folder(self.root, self.name, self.temp, manifest, self._before_rename)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        shutil.rmtree(self.temp, ignore_errors=True)
+        self.files.clear()
+
+
+def _copy_in_kernel(source: Path, target: Path, size: int) -> bool:
+    """``copy_file_range`` (reflinks or server-side copies on file systems that have them);
+    False when it is not possible, then the caller sends the bytes."""
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None:
+        return False
+    try:
+        with open(source, "rb") as reader, open(target, "wb") as writer:
+            done = 0
+            while done < size:
+                moved = copy_range(reader.fileno(), writer.fileno(), size - done)
+                if moved <= 0:
+                    break
+                done += moved
+            os.fsync(writer.fileno())
+    except OSError:
+        done = -1
+    if done != size:
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        return False
+    return True
