@@ -119,6 +119,7 @@ def render_page(
     now: Optional[float] = None,
     fragment: bool = False,
     host: Optional[str] = None,
+    protection: Optional[dict[str, Any]] = None,
 ) -> str:
     """The page (or only its ``<main>`` content, ``fragment``) for these bodies: the
     ``/v1/expiry``, ``/healthz``, ``/v1/events`` and ``/v1/uploads`` answers."""
@@ -127,6 +128,7 @@ def render_page(
         _header(health, host or socket.gethostname()),
         _countdown(expiry, now),
         _decision(expiry, events, now),
+        _protection(protection),
         _timeline(expiry, moves, events, uploads, now),
         _sources(health, now),
         _moves(moves, now),
@@ -147,6 +149,7 @@ def render_page(
         "<footer class=\"muted\">Read-only. The same facts as JSON: "
         "<a href=\"/v1/expiry\">/v1/expiry</a>, <a href=\"/healthz\">/healthz</a>, "
         "<a href=\"/v1/events\">/v1/events</a>, <a href=\"/v1/uploads\">/v1/uploads</a>, "
+        "<a href=\"/v1/protection\">/v1/protection</a>, "
         "<a href=\"/metrics\">/metrics</a>; the API: <a href=\"/docs\">/docs</a>. In a "
         "terminal: <code>esi-sidecar status --watch</code>.</footer>"
         f"</main><script>{_SCRIPT}</script></body></html>\n"
@@ -228,6 +231,24 @@ def _decision(expiry: dict[str, Any], events: Optional[dict[str, Any]], now: flo
     return (f"<h2>The job</h2><div class=\"box\" id=\"job\"><b>{_e(summary.get('job'))}</b> "
             f"is <b>{_e(state)}</b> (last heard {_ago(now, summary.get('last_event_at_unix'))})"
             f"<br>{rule}<br>{saved}; {durable_text}</div>")
+
+
+def _protection(protection: Optional[dict[str, Any]]) -> str:
+    """Per running source: does its notice hold the job's step + save + upload?"""
+    if not protection or not protection.get("sources"):
+        return ""
+    rows = []
+    for verdict in protection["sources"]:
+        status = str(verdict.get("status"))
+        css = {"protected": "", "not-protected": "bad"}.get(status, "muted")
+        notice = verdict.get("notice_seconds")
+        rows.append(f"<tr class=\"verdict\" data-status=\"{_e(status)}\"><td>"
+                    f"{_e(verdict.get('source'))}</td><td>"
+                    f"{'ahead' if notice is None else _seconds(notice)}</td>"
+                    f"<td class=\"{css}\">{_e(status)}</td><td>{_e(verdict.get('reason'))}"
+                    "</td></tr>")
+    return ("<h2>Protection</h2><table id=\"protection\"><tr><th>source</th><th>notice</th>"
+            "<th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>")
 
 
 def _seconds(value: Any) -> str:
