@@ -67,10 +67,11 @@ class Verdict:
 
 
 def short_duration(seconds: float) -> str:
-    """``41 min``, ``95 s``, ``3.2 h``: the figures of a verdict's line."""
+    """``41 min``, ``140 s``, ``3.2 h``: the figures of a verdict's line (seconds below
+    ten minutes, as notices and saves are counted)."""
     if seconds >= 7200:
         return f"{seconds / 3600:.1f} h"
-    if seconds >= 120:
+    if seconds >= 600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds:.0f} s"
 

@@ -32,7 +32,7 @@ def test_a_notice_shorter_than_save_and_upload_is_not_protected_and_says_what_is
 def test_a_notice_that_holds_them_is_protected() -> None:
     verdict = judge_one("aws", 120.0, JobFigures(5.0, 60.0, None), None, NOW)
     assert verdict.protected is True
-    assert verdict.reason == "aws: 2 min notice >= 65 s step + save"
+    assert verdict.reason == "aws: 120 s notice >= 65 s step + save"
 
 
 def test_equal_is_enough() -> None:
@@ -79,6 +79,7 @@ def test_nonsense_notices_are_refused(text: str) -> None:
 
 def test_short_durations() -> None:
     assert short_duration(95) == "95 s"
+    assert short_duration(300) == "300 s"
     assert short_duration(41 * 60) == "41 min"
     assert short_duration(3 * 3600) == "3.0 h"
     assert not math.isnan(float(short_duration(0).split()[0]))
