@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sidecar.host.store import Store
-from sidecar.train.protection import DurableCheckpoint, JobFigures, Verdict, judge
+from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, Verdict, judge
 
 __all__ = ["ProtectionBoard", "notice_table"]
 
@@ -59,7 +59,7 @@ class ProtectionBoard:
         self._events = events
         self._uploads = uploads
         self._clock = clock
-        self._said: dict[str, tuple[str, Optional[float], Optional[float]]] = {}
+        self._said = SaidOnce(log)
 
     def inputs(self, now: float) -> tuple[JobFigures, Optional[DurableCheckpoint]]:
         """What the job measured and its newest durable checkpoint."""
@@ -105,15 +105,9 @@ class ProtectionBoard:
         }
 
     def check(self, now: Optional[float] = None) -> None:
-        """Log each verdict that changed since the last call: its status, its notice or
-        the job's figures (not the age of the work at risk, which grows every second)."""
+        """Log each verdict that changed since the last call (``SaidOnce``)."""
         for verdict in self.verdicts(now):
-            said = (verdict.status, verdict.notice_seconds, verdict.needed_seconds)
-            if self._said.get(verdict.source) == said:
-                continue
-            self._said[verdict.source] = said
-            level = logging.WARNING if verdict.protected is False else logging.INFO
-            log.log(level, "%s", verdict.reason)
+            self._said.say(verdict)
 
     def collect(self) -> list[Metric]:
         """Prometheus metrics at scrape time (registered in the API's own registry)."""

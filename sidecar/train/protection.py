@@ -8,12 +8,13 @@ sources the daemon serves (issue 24, item 2). A notice of None is a time known f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["DurableCheckpoint", "JobFigures", "Verdict", "judge", "judge_one", "parse_notice",
-           "short_duration"]
+__all__ = ["DurableCheckpoint", "JobFigures", "SaidOnce", "Verdict", "judge", "judge_one",
+           "parse_notice", "short_duration"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,24 @@ def parse_notice(text: str) -> Optional[float]:
     if not 0 < seconds <= 86400 * 30:
         raise ValueError(f"{text.strip()!r} must be more than 0 and at most 30 days")
     return seconds
+
+
+class SaidOnce:
+    """Logs a signal's verdict when it changes (its status, its notice, or the figures
+    it was held against, to the second), never again while it holds: a warning when the
+    signal cannot be met. The age of the work at risk grows every second and is no change."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._said: dict[str, tuple[str, Optional[float], Optional[float]]] = {}
+
+    def say(self, verdict: Verdict) -> bool:
+        """True when it logged."""
+        needed = None if verdict.needed_seconds is None else round(verdict.needed_seconds)
+        key = (verdict.status, verdict.notice_seconds, needed)
+        if self._said.get(verdict.source) == key:
+            return False
+        self._said[verdict.source] = key
+        level = logging.WARNING if verdict.protected is False else logging.INFO
+        self._logger.log(level, "%s", verdict.reason)
+        return True
