@@ -33,6 +33,7 @@ from sidecar.host.events import EventHistory, add_event_routes
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
 from sidecar.host.protection import ProtectionBoard
 from sidecar.host.query import digits
+from sidecar.host.reclaims import ReclaimLedger
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -117,6 +118,7 @@ def create_app(
     token: Optional[str] = None,
     events: Optional[EventHistory] = None,
     protection: Optional[ProtectionBoard] = None,
+    reclaims: Optional[ReclaimLedger] = None,
 ) -> FastAPI:
     """The API over ``store``; with ``token``, peers beyond loopback must send it
     (``sidecar.host.auth``)."""
@@ -221,6 +223,12 @@ def create_app(
         async def protection_verdicts() -> Response:
             return _json(protection.body(clock()))
 
+    if reclaims is not None:
+        @app.get("/v1/reclaims", summary="What each release cost: GPU time lost, idle, "
+                 "redone, saves (docs/protection.md)")
+        async def reclaim_costs() -> Response:
+            return _json(reclaims.body())
+
     @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",
              response_class=Response)
     async def status_page(
@@ -235,6 +243,7 @@ def create_app(
             events=None if events is None else events.body(limit=50, now=now),
             uploads=None if uploads is None else uploads.body(now, 10),
             protection=None if protection is None else protection.body(now),
+            reclaims=None if reclaims is None else reclaims.body(),
         )
         return Response(text, media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-store",
@@ -259,6 +268,8 @@ def create_app(
         registry.register(uploads)
     if protection is not None:
         registry.register(protection)
+    if reclaims is not None:
+        registry.register(reclaims)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:

@@ -36,6 +36,7 @@ from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
 from sidecar.host.protection import ProtectionBoard, notice_table
+from sidecar.host.reclaims import ReclaimLedger
 from sidecar.host.schedule import ApiBudget
 from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, PROBE_TIMEOUT_SECONDS, ProbedSource
@@ -101,7 +102,9 @@ def build_daemon(settings: Settings) -> Daemon:
     # once, the job events within 2 s (sidecar.host.statefile).
     state = StateFile(settings.state_file)
     events = EventHistory(on_change=state.changed)
-    state.add(StoreSection(store), events)
+    reclaims = ReclaimLedger(events, uploads=settings.upload_to is not None,
+                             on_change=state.changed)
+    state.add(StoreSection(store), events, reclaims)
     rate = settings.effective_max_api_rate
     poller = Poller(
         sources, store, interval=settings.poll_interval, on_change=state.write,
@@ -123,7 +126,7 @@ def build_daemon(settings: Settings) -> Daemon:
         if uploader is not None:
             uploader.start()
         tasks = [asyncio.create_task(_announce_ready(poller, store)),
-                 asyncio.create_task(_check_protection(protection))]
+                 asyncio.create_task(_check_protection(protection, reclaims))]
         if approver is not None:
             tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
@@ -149,7 +152,8 @@ def build_daemon(settings: Settings) -> Daemon:
 
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None,
-                     token=settings.token, events=events, protection=protection)
+                     token=settings.token, events=events, protection=protection,
+                     reclaims=reclaims)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
     return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)
@@ -210,11 +214,13 @@ async def _approve(approver: Approver) -> None:
         await asyncio.sleep(APPROVE_INTERVAL_SECONDS)
 
 
-async def _check_protection(protection: ProtectionBoard) -> None:
-    """A line each time a source's protection verdict changes (sidecar.host.protection)."""
+async def _check_protection(protection: ProtectionBoard, reclaims: ReclaimLedger) -> None:
+    """A line each time a source's protection verdict changes (sidecar.host.protection),
+    and the account of each release the job stopped for (sidecar.host.reclaims)."""
     while True:
         try:
             protection.check()
+            reclaims.check()
         except Exception as exc:  # a bug here must not stop the daemon; say where
             log.error("judging the protection failed: %s %s", type(exc).__name__, where(exc))
         await asyncio.sleep(PROTECTION_CHECK_SECONDS)

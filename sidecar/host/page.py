@@ -120,6 +120,7 @@ def render_page(
     fragment: bool = False,
     host: Optional[str] = None,
     protection: Optional[dict[str, Any]] = None,
+    reclaims: Optional[dict[str, Any]] = None,
 ) -> str:
     """The page (or only its ``<main>`` content, ``fragment``) for these bodies: the
     ``/v1/expiry``, ``/healthz``, ``/v1/events`` and ``/v1/uploads`` answers."""
@@ -134,6 +135,7 @@ def render_page(
         _moves(moves, now),
         _saves(events, now),
         _uploads(uploads, now),
+        _reclaims(reclaims),
     ))
     if fragment:
         return body
@@ -249,6 +251,37 @@ def _protection(protection: Optional[dict[str, Any]]) -> str:
                     "</td></tr>")
     return ("<h2>Protection</h2><table id=\"protection\"><tr><th>source</th><th>notice</th>"
             "<th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>")
+
+
+def _reclaims(reclaims: Optional[dict[str, Any]]) -> str:
+    """A bar per release, newest right: the GPU time it cost, its idle and redone parts."""
+    costs = list(reversed((reclaims or {}).get("reclaims") or []))[-20:]
+    if not costs:
+        return ""
+    tallest = max(1.0, *(float(c.get("lost_seconds") or 0) for c in costs))
+    bars = []
+    for index, cost in enumerate(costs):
+        lost = float(cost.get("lost_seconds") or 0)
+        x, height = 10 + index * 46, 90 * lost / tallest
+        parts = [("lost", lost, "#8c959f"), ("redone", float(cost.get("redone_seconds") or 0),
+                 "#cf222e"), ("idle", float(cost.get("idle_seconds") or 0), "#9a6700")]
+        for name, seconds, colour in parts:
+            tall = 90 * min(seconds, lost) / tallest
+            width = 36 if name == "lost" else 16
+            offset = 0 if name == "lost" else (2 if name == "redone" else 18)
+            bars.append(f"<rect class=\"{name}\" x=\"{x + offset}\" y=\"{100 - tall:.1f}\" "
+                        f"width=\"{width}\" height=\"{tall:.1f}\" fill=\"{colour}\"><title>"
+                        f"step {_e(cost.get('resumed_step'))}: {human_duration(seconds)} "
+                        f"{name}</title></rect>")
+        bars.append(f"<text x=\"{x + 18}\" y=\"{max(10.0, 96 - height):.0f}\" font-size=\"10\" "
+                    f"text-anchor=\"middle\">{_e(human_duration(lost))}</text>")
+    ratio = (reclaims or {}).get("effective_ratio")
+    effective = "" if ratio is None else f"; effective training time {100 * ratio:.0f} %"
+    return (f"<h2>What each release cost</h2><svg id=\"reclaims\" viewBox=\"0 0 "
+            f"{20 + 46 * len(costs)} 110\" role=\"img\" aria-label=\"GPU time each release "
+            f"cost\">{''.join(bars)}</svg><p class=\"muted\">Grey: GPU time lost; red: of it "
+            f"redone; amber: idle. {_e(reclaims and reclaims.get('count'))} release(s)"
+            f"{effective}.</p>")
 
 
 def _seconds(value: Any) -> str:

@@ -20,8 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from sidecar.timeparse import parse_timestamp
+
 __all__ = ["ReleaseCost", "effective_ratio", "lost_seconds", "redone_seconds",
-           "release_cost"]
+           "release_cost", "state_of_manifest"]
 
 
 def lost_seconds(released_unix: float, state_unix: float) -> float:
@@ -96,6 +98,18 @@ class ReleaseCost:
             redone_seconds=number("redone_seconds") or 0.0,
             idle_seconds=number("idle_seconds") or 0.0, saves=saves,
             started_unix=number("started_unix", optional=True), job=job, closed_by=closed_by)
+
+
+def state_of_manifest(manifest: Mapping[str, Any]) -> tuple[float, Optional[int]]:
+    """When a checkpoint's training state was taken, and its step, from its parsed
+    MANIFEST.json: ``started_at`` (when the save began), else ``created_at`` (a checkpoint
+    written before the manifest said when its save began: its save is then not counted).
+    ValueError when neither is a time."""
+    stamp = manifest.get("started_at") or manifest.get("created_at")
+    if not isinstance(stamp, str):
+        raise ValueError("the manifest says neither started_at nor created_at")
+    step = manifest.get("step")
+    return parse_timestamp(stamp).when.timestamp(), step if isinstance(step, int) else None
 
 
 def release_cost(
