@@ -224,7 +224,29 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"restored {info.name} (step {info.step}, {info.total_bytes} bytes, "
               f"{len(info.files)} files) from {restored.source} into {info.path} "
               f"in {restored.seconds:.1f} s")
+    if args.released_at is not None:
+        _print_release_cost(info.path, args.released_at)
     return 0
+
+
+def _print_release_cost(folder: Path, released_at: str) -> None:
+    """The account of the machine that went: the GPU time from the state restored to its
+    release (sidecar.train.reclaim_cost; issue 24, item 3)."""
+    import json
+
+    from sidecar.checkpoint.manifest import MANIFEST_NAME
+    from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
+    from sidecar.train.reclaim_cost import lost_seconds, state_of_manifest
+
+    try:
+        released = parse_timestamp(released_at).when.timestamp()
+        state, step = state_of_manifest(json.loads((folder / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError, TimestampError) as exc:
+        print(f"esi-sidecar restore: cannot account for the release: {exc}", file=sys.stderr)
+        return
+    lost = lost_seconds(released, state)
+    print(f"the release cost {lost:.1f} s of GPU time: from the state of step {step} "
+          f"({format_rfc3339(state)}) to the release ({format_rfc3339(released)})")
 
 
 def _missing_server_extra(exc: ImportError) -> int:
@@ -405,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--no-verify", action="store_true",
                          help="skip the sha256 check (sizes are always checked)")
     restore.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    restore.add_argument("--released-at", metavar="TIME",
+                         help="when the previous machine was released (RFC 3339 or Unix "
+                         "seconds): also print the GPU time that release cost, from the "
+                         "state restored to it")
     restore.set_defaults(func=cmd_restore)
 
     from sidecar.host.launch import add_run_command  # standard library only

@@ -387,6 +387,7 @@ class atomic_checkpoint:
         clean_quietly(self.root)
         self._previous = latest_valid(self.root, clean=False)
         self._check_free_space()
+        self._started = time.time()  # the state the checkpoint holds (manifest started_at)
         self._tag = writer_tag()
         self._token = os.urandom(4).hex()
         temp = self.root / f".tmp-{self.name}.{self._tag}.{self._token}"
@@ -458,6 +459,7 @@ class atomic_checkpoint:
                 entries=entries,
                 metadata=self._metadata_json(),
                 checksum=self.checksum,
+                started_unix=self._started,
             )
             write_durably(temp / MANIFEST_NAME, manifest)
             fsync_path(temp)

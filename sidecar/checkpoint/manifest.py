@@ -130,8 +130,9 @@ def render_manifest(
     entries: list[FileEntry],
     metadata: dict[str, Any],
     checksum: bool,
+    started_unix: Optional[float] = None,
 ) -> bytes:
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "name": name,
@@ -146,6 +147,10 @@ def render_manifest(
         ],
         "metadata": metadata,
     }
+    if started_unix is not None:
+        # When the save began: the training state it holds, which the GPU time a release
+        # cost is counted from (sidecar.host.reclaim_cost).
+        body["started_at"] = format_rfc3339(started_unix)
     return (json.dumps(body, indent=1, allow_nan=False) + "\n").encode("utf-8")
 
 

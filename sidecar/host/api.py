@@ -31,7 +31,9 @@ from sidecar import __version__
 from sidecar.host.auth import RequireToken
 from sidecar.host.events import EventHistory, add_event_routes
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
+from sidecar.host.protection import ProtectionBoard
 from sidecar.host.query import digits
+from sidecar.host.reclaims import ReclaimLedger
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -115,6 +117,8 @@ def create_app(
     uploads: Optional[UploadsView] = None,
     token: Optional[str] = None,
     events: Optional[EventHistory] = None,
+    protection: Optional[ProtectionBoard] = None,
+    reclaims: Optional[ReclaimLedger] = None,
 ) -> FastAPI:
     """The API over ``store``; with ``token``, peers beyond loopback must send it
     (``sidecar.host.auth``)."""
@@ -213,6 +217,18 @@ def create_app(
     if events is not None:  # the jobs' events (sidecar.host.events)
         add_event_routes(app, events, clock)
 
+    if protection is not None:
+        @app.get("/v1/protection", summary="Per running source: does its notice hold the "
+                 "job's step + save + upload? (docs/protection.md)")
+        async def protection_verdicts() -> Response:
+            return _json(protection.body(clock()))
+
+    if reclaims is not None:
+        @app.get("/v1/reclaims", summary="What each release cost: GPU time lost, idle, "
+                 "redone, saves (docs/protection.md)")
+        async def reclaim_costs() -> Response:
+            return _json(reclaims.body())
+
     @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",
              response_class=Response)
     async def status_page(
@@ -226,6 +242,8 @@ def create_app(
             expiry=expiry, health=health, moves=store.moves(), now=now, fragment=fragment,
             events=None if events is None else events.body(limit=50, now=now),
             uploads=None if uploads is None else uploads.body(now, 10),
+            protection=None if protection is None else protection.body(now),
+            reclaims=None if reclaims is None else reclaims.body(),
         )
         return Response(text, media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-store",
@@ -248,6 +266,10 @@ def create_app(
         registry.register(events)
     if uploads is not None:
         registry.register(uploads)
+    if protection is not None:
+        registry.register(protection)
+    if reclaims is not None:
+        registry.register(reclaims)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:

@@ -35,6 +35,8 @@ from sidecar.host.events import EventHistory
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
+from sidecar.host.protection import ProtectionBoard, notice_table
+from sidecar.host.reclaims import ReclaimLedger
 from sidecar.host.schedule import ApiBudget
 from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, PROBE_TIMEOUT_SECONDS, ProbedSource
@@ -43,6 +45,7 @@ from sidecar.host.sources.registry import (
     auto_candidates,
     create_source,
     probe_source,
+    specs,
     traits_of,
 )
 from sidecar.host.statefile import StateFile
@@ -59,6 +62,7 @@ READY_TIMEOUT_SECONDS = 60.0
 SHUTDOWN_GRACE_SECONDS = 2.0
 SHUTDOWN_JOIN_SECONDS = 3.0
 APPROVE_INTERVAL_SECONDS = 1.0
+PROTECTION_CHECK_SECONDS = 5.0  # how soon a changed protection verdict is logged
 
 
 @dataclass
@@ -98,7 +102,9 @@ def build_daemon(settings: Settings) -> Daemon:
     # once, the job events within 2 s (sidecar.host.statefile).
     state = StateFile(settings.state_file)
     events = EventHistory(on_change=state.changed)
-    state.add(StoreSection(store), events)
+    reclaims = ReclaimLedger(events, uploads=settings.upload_to is not None,
+                             on_change=state.changed)
+    state.add(StoreSection(store), events, reclaims)
     rate = settings.effective_max_api_rate
     poller = Poller(
         sources, store, interval=settings.poll_interval, on_change=state.write,
@@ -108,6 +114,9 @@ def build_daemon(settings: Settings) -> Daemon:
     )
     uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
+    protection = ProtectionBoard(
+        store, notice_table({s.name: s.notice_seconds for s in specs()}, settings.notices),
+        events=events, uploads=uploader.tracker if uploader is not None else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -116,7 +125,8 @@ def build_daemon(settings: Settings) -> Daemon:
         poller.start()
         if uploader is not None:
             uploader.start()
-        tasks = [asyncio.create_task(_announce_ready(poller, store))]
+        tasks = [asyncio.create_task(_announce_ready(poller, store)),
+                 asyncio.create_task(_check_protection(protection, reclaims))]
         if approver is not None:
             tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
@@ -142,7 +152,8 @@ def build_daemon(settings: Settings) -> Daemon:
 
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None,
-                     token=settings.token, events=events)
+                     token=settings.token, events=events, protection=protection,
+                     reclaims=reclaims)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
     return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)
@@ -201,6 +212,18 @@ async def _approve(approver: Approver) -> None:
             log.error("approving scheduled events failed: %s %s", type(exc).__name__,
                       where(exc))
         await asyncio.sleep(APPROVE_INTERVAL_SECONDS)
+
+
+async def _check_protection(protection: ProtectionBoard, reclaims: ReclaimLedger) -> None:
+    """A line each time a source's protection verdict changes (sidecar.host.protection),
+    and the account of each release the job stopped for (sidecar.host.reclaims)."""
+    while True:
+        try:
+            protection.check()
+            reclaims.check()
+        except Exception as exc:  # a bug here must not stop the daemon; say where
+            log.error("judging the protection failed: %s %s", type(exc).__name__, where(exc))
+        await asyncio.sleep(PROTECTION_CHECK_SECONDS)
 
 
 async def _announce_ready(poller: Poller, store: Store) -> None:

@@ -119,6 +119,8 @@ def render_page(
     now: Optional[float] = None,
     fragment: bool = False,
     host: Optional[str] = None,
+    protection: Optional[dict[str, Any]] = None,
+    reclaims: Optional[dict[str, Any]] = None,
 ) -> str:
     """The page (or only its ``<main>`` content, ``fragment``) for these bodies: the
     ``/v1/expiry``, ``/healthz``, ``/v1/events`` and ``/v1/uploads`` answers."""
@@ -127,11 +129,13 @@ def render_page(
         _header(health, host or socket.gethostname()),
         _countdown(expiry, now),
         _decision(expiry, events, now),
+        _protection(protection),
         _timeline(expiry, moves, events, uploads, now),
         _sources(health, now),
         _moves(moves, now),
         _saves(events, now),
         _uploads(uploads, now),
+        _reclaims(reclaims),
     ))
     if fragment:
         return body
@@ -147,6 +151,7 @@ def render_page(
         "<footer class=\"muted\">Read-only. The same facts as JSON: "
         "<a href=\"/v1/expiry\">/v1/expiry</a>, <a href=\"/healthz\">/healthz</a>, "
         "<a href=\"/v1/events\">/v1/events</a>, <a href=\"/v1/uploads\">/v1/uploads</a>, "
+        "<a href=\"/v1/protection\">/v1/protection</a>, "
         "<a href=\"/metrics\">/metrics</a>; the API: <a href=\"/docs\">/docs</a>. In a "
         "terminal: <code>esi-sidecar status --watch</code>.</footer>"
         f"</main><script>{_SCRIPT}</script></body></html>\n"
@@ -228,6 +233,55 @@ def _decision(expiry: dict[str, Any], events: Optional[dict[str, Any]], now: flo
     return (f"<h2>The job</h2><div class=\"box\" id=\"job\"><b>{_e(summary.get('job'))}</b> "
             f"is <b>{_e(state)}</b> (last heard {_ago(now, summary.get('last_event_at_unix'))})"
             f"<br>{rule}<br>{saved}; {durable_text}</div>")
+
+
+def _protection(protection: Optional[dict[str, Any]]) -> str:
+    """Per running source: does its notice hold the job's step + save + upload?"""
+    if not protection or not protection.get("sources"):
+        return ""
+    rows = []
+    for verdict in protection["sources"]:
+        status = str(verdict.get("status"))
+        css = {"protected": "", "not-protected": "bad"}.get(status, "muted")
+        notice = verdict.get("notice_seconds")
+        rows.append(f"<tr class=\"verdict\" data-status=\"{_e(status)}\"><td>"
+                    f"{_e(verdict.get('source'))}</td><td>"
+                    f"{'ahead' if notice is None else _seconds(notice)}</td>"
+                    f"<td class=\"{css}\">{_e(status)}</td><td>{_e(verdict.get('reason'))}"
+                    "</td></tr>")
+    return ("<h2>Protection</h2><table id=\"protection\"><tr><th>source</th><th>notice</th>"
+            "<th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>")
+
+
+def _reclaims(reclaims: Optional[dict[str, Any]]) -> str:
+    """A bar per release, newest right: the GPU time it cost, its idle and redone parts."""
+    costs = list(reversed((reclaims or {}).get("reclaims") or []))[-20:]
+    if not costs:
+        return ""
+    tallest = max(1.0, *(float(c.get("lost_seconds") or 0) for c in costs))
+    bars = []
+    for index, cost in enumerate(costs):
+        lost = float(cost.get("lost_seconds") or 0)
+        x, height = 10 + index * 46, 90 * lost / tallest
+        parts = [("lost", lost, "#8c959f"), ("redone", float(cost.get("redone_seconds") or 0),
+                 "#cf222e"), ("idle", float(cost.get("idle_seconds") or 0), "#9a6700")]
+        for name, seconds, colour in parts:
+            tall = 90 * min(seconds, lost) / tallest
+            width = 36 if name == "lost" else 16
+            offset = 0 if name == "lost" else (2 if name == "redone" else 18)
+            bars.append(f"<rect class=\"{name}\" x=\"{x + offset}\" y=\"{100 - tall:.1f}\" "
+                        f"width=\"{width}\" height=\"{tall:.1f}\" fill=\"{colour}\"><title>"
+                        f"step {_e(cost.get('resumed_step'))}: {human_duration(seconds)} "
+                        f"{name}</title></rect>")
+        bars.append(f"<text x=\"{x + 18}\" y=\"{max(10.0, 96 - height):.0f}\" font-size=\"10\" "
+                    f"text-anchor=\"middle\">{_e(human_duration(lost))}</text>")
+    ratio = (reclaims or {}).get("effective_ratio")
+    effective = "" if ratio is None else f"; effective training time {100 * ratio:.0f} %"
+    return (f"<h2>What each release cost</h2><svg id=\"reclaims\" viewBox=\"0 0 "
+            f"{20 + 46 * len(costs)} 110\" role=\"img\" aria-label=\"GPU time each release "
+            f"cost\">{''.join(bars)}</svg><p class=\"muted\">Grey: GPU time lost; red: of it "
+            f"redone; amber: idle. {_e(reclaims and reclaims.get('count'))} release(s)"
+            f"{effective}.</p>")
 
 
 def _seconds(value: Any) -> str:

@@ -113,6 +113,9 @@ class Settings:
     gcp_metadata_url: str = DEFAULT_GCP_METADATA_URL
     azure_metadata_url: str = DEFAULT_AZURE_METADATA_URL
     azure_approve: bool = False  # approve (StartRequests) once the checkpoint is durable
+    # --notice: a source's notice in seconds (None: known far ahead), over its spec's
+    # (sidecar.host.protection).
+    notices: Mapping[str, Optional[float]] = field(default_factory=dict)
     # The options a source's spec declares that are no field here (a source added since:
     # its module and a registry line), by option name.
     source_options: Mapping[str, Any] = field(default_factory=dict)
@@ -288,6 +291,24 @@ def _zone(text: str) -> tzinfo:
         raise ValueError("unknown time zone (use an IANA name such as Asia/Shanghai)") from None
 
 
+def _notices(text: str) -> dict[str, Optional[float]]:
+    """``gcp=15,aws=120``: per source, the notice its platform gives (``ahead``: far)."""
+    from sidecar.train.protection import parse_notice
+
+    notices: dict[str, Optional[float]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, seconds = item.partition("=")
+        if not equals:
+            raise ValueError(f"{item!r}: give SOURCE=SECONDS, e.g. gcp=15")
+        source = registry.canonical_name(name)
+        if source not in registry.SOURCES:
+            raise ValueError(f"{item!r}: name one source, not {source}")
+        notices[source] = parse_notice(seconds)
+    if not notices:
+        raise ValueError("give SOURCE=SECONDS, e.g. gcp=15")
+    return notices
+
+
 # ---------------------------------------------------------------- the one table
 
 _DEFAULTS = Settings()  # the help lines quote the defaults from here, not a copy
@@ -341,6 +362,10 @@ OPTIONS: tuple[Option, ...] = (
            "against a loopback --api-endpoint, the emulator); a call over it waits", "CALLS"),
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
            "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
+    Option("notice", _notices, "the notice a source's platform gives, SOURCE=SECONDS (or "
+           "ahead), repeatable, e.g. gcp=15 for GKE pods (default: each source's own: aws "
+           "120, gcp 30, azure 30, volcengine-spot 300; docs/protection.md)",
+           "SOURCE=SECONDS", repeatable=True),
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
     *_source_rows("static"),
     Option("timezone", _zone, "time zone for timestamps that carry no offset (default: the "
@@ -386,7 +411,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 # Option name -> Settings attribute, where they differ.
-_ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone"}
+_ATTRIBUTE = {"source": "sources", "timezone": "naive_timezone", "notice": "notices"}
 _FIELDS = frozenset(f.name for f in fields(Settings))
 
 

@@ -39,6 +39,7 @@ from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECOND
 from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents, save_kind
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
+from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, judge_one
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.upload_time import UploadTime
@@ -188,6 +189,8 @@ class CheckpointGuard:
         self._stopping = False  # the last should_stop() said stop
         self._warned_internal = False
         self._said_too_late: Optional[float] = None
+        self._protection = SaidOnce(logger)  # the SIGTERM grace's verdict, once per change
+        self._last_saved: Optional[DurableCheckpoint] = None  # the state it holds, when
 
     @property
     def client(self) -> SidecarClient:
@@ -314,6 +317,7 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
+        self._last_saved = DurableCheckpoint(step, started_unix)
         self._events.send("save-finished", step=step, seconds=seconds, save=save_kind(asked),
                           asynchronous=True if committed is not None else None,
                           remaining_seconds=None if deadline_unix is None
@@ -367,6 +371,11 @@ class CheckpointGuard:
             self._events.send("too-late", reason=decision.reason,
                               remaining_seconds=decision.remaining_seconds)
         self._events.step_estimate(decision)
+        if self.sigterm is not None:  # does the grace hold a save? (issue 24, item 2)
+            self._protection.say(judge_one(
+                "SIGTERM", self.sigterm.grace_seconds, JobFigures(
+                    decision.step_seconds, decision.save_seconds, self._upload.seconds()),
+                self._last_saved, self._clock()))
         return decision.save_now
 
     def should_stop(self) -> bool:

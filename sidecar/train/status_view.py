@@ -16,7 +16,8 @@ from sidecar.train.client import SidecarClient
 
 __all__ = [
     "EXIT_NOT_HEALTHY", "EXIT_UNKNOWN", "UsageError", "cmd_status", "describe",
-    "describe_job", "describe_sources", "describe_uploads", "fetch_expiry", "format_duration",
+    "describe_job", "describe_protection", "describe_sources", "describe_uploads",
+    "fetch_expiry", "format_duration",
 ]
 
 EXIT_UNKNOWN = 3
@@ -170,6 +171,18 @@ def describe_uploads(uploads: Any) -> list[str]:
             f"{'none' if step is None else step}{error}"]
 
 
+def describe_protection(protection: Any) -> list[str]:
+    """Each running source's protection verdict, from a /v1/protection body."""
+    verdicts = protection.get("sources") if isinstance(protection, dict) else None
+    if not isinstance(verdicts, list) or not verdicts:
+        return []
+    lines = ["protection:"]
+    for verdict in verdicts:
+        if isinstance(verdict, dict):
+            lines.append(f"  {verdict.get('status', '?')!s:<14} {verdict.get('reason', '')}")
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     if args.watch:
         return _watch(args)
@@ -183,7 +196,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(json.dumps(expiry.to_json(), indent=2))
     else:
-        print("\n".join(describe(expiry) + describe_sources(health)))
+        # The verdicts before the sources: scripts read the sources' lines last.
+        print("\n".join(describe(expiry)
+                        + describe_protection(_get_json(args, "/v1/protection"))
+                        + describe_sources(health)))
     if _is_healthy(health):
         return 0
     verdict = health.get("status", "?") if isinstance(health, dict) else "no /healthz answer"
@@ -227,7 +243,8 @@ def _watch(args: argparse.Namespace) -> int:
             else:
                 lines = (describe(expiry) + describe_sources(_health(args))
                          + describe_job(_get_json(args, "/v1/events?limit=0"))
-                         + describe_uploads(_get_json(args, "/v1/uploads?limit=0")))
+                         + describe_uploads(_get_json(args, "/v1/uploads?limit=0"))
+                         + describe_protection(_get_json(args, "/v1/protection")))
             stamp = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + f"esi-sidecar status --watch   {stamp}   "

@@ -133,8 +133,39 @@ def test_the_page_in_a_browser_shows_the_countdown_the_save_and_a_degraded_sourc
     assert 'id="health" class="light degraded"' in page
     assert re.search(r'<path class="move"', page)  # the renewal on the timeline
     assert re.search(r"10 min 0\d s later", page)  # and in the deadline history
+    # The release is known ahead: protected whatever the save takes (issue 24, item 2).
+    assert re.search(r'<tr class="verdict" data-status="protected"><td>volcengine-esi</td>'
+                     r'<td>ahead</td>', page)
     if os.environ.get("SIDECAR_UPDATE_SCREENSHOT") == "1":
         shutil.copy(screenshot, ROOT / "docs" / "status-page.png")
+
+
+def test_the_page_in_a_browser_shows_a_preemption_that_cannot_be_met() -> None:
+    """A GCP preemption source (30 s) and a job whose save takes 60 s: the page's
+    protection table says so after its script refreshed it (issue 24, item 2)."""
+    from sidecar.tools.emulator.gcp import GcpMetadataEmulator
+
+    with GcpMetadataEmulator() as gce, serve_daemon(sources=("gcp",),
+                                                    gcp_metadata_url=gce.url) as daemon:
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 200, timeout=30)
+        guard = CheckpointGuard(SidecarClient(daemon.url, timeout=2),
+                                SavePolicy(save_seconds=60.0), environ={})
+        guard.record_step(80.0)
+        assert guard.should_save() is False  # no deadline: its estimate goes out (80 + 60 s)
+        with guard.saving(step=120):  # a routine save
+            time.sleep(0.05)
+        wait_for(lambda: get_json(daemon.url + "/v1/protection")[1]["durable_step"] == 120,
+                 timeout=15)
+        guard.client.close()
+        dom = browse(daemon.url + "/", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    row = re.search(r'<tr class="verdict" data-status="not-protected"><td>gcp</td>'
+                    r'<td>30\.0 s</td><td class="bad">not-protected</td><td>([^<]+)</td>',
+                    dom.stdout)
+    assert row is not None, dom.stdout[:4000]
+    assert row.group(1).startswith("gcp: 30 s notice &lt; 140 s step + save: a reclaim now "
+                                   "loses the ")
+    assert row.group(1).endswith(" since step 120")
 
 
 def test_the_countdown_text_matches_the_scripts_format() -> None:

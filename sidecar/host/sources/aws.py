@@ -245,6 +245,7 @@ def build(config: AwsConfig) -> AwsSource:
 SPEC = SourceSpec(
     name="aws", config=AwsConfig, build=build, probe=probe,
     summary="EC2 spot notices and maintenance", aliases=("ec2", "aws-spot"),
+    notice_seconds=120.0,  # the spot interruption notice: two minutes
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
     options=(
         Option("aws_imds_url", parse_url, f"AWS instance metadata service for the aws source "

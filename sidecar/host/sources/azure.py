@@ -337,6 +337,7 @@ def build(config: AzureConfig) -> AzureSource:
 SPEC = SourceSpec(
     name="azure", config=AzureConfig, build=build, probe=probe,
     summary="Scheduled Events", aliases=("az",),
+    notice_seconds=30.0,  # a Preempt event: at least 30 s
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
     options=(
         Option("azure_metadata_url", parse_url, f"Azure Instance Metadata Service for the "

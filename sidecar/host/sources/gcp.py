@@ -417,6 +417,7 @@ def build(config: GcpConfig) -> GcpSource:
 SPEC = SourceSpec(
     name="gcp", config=GcpConfig, build=build, probe=probe,
     summary="preemption, host maintenance", aliases=("gce", "google"),
+    notice_seconds=PREEMPTION_NOTICE_SECONDS,  # 30 s (GKE pods: 15 s, --notice gcp=15)
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
     options=(
         Option("gcp_metadata_url", parse_url, f"GCE metadata server for the gcp source "

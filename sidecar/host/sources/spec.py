@@ -62,6 +62,11 @@ class SourceSpec(Generic[C]):
     # --source auto runs the source when this finds its service (None: auto leaves it out):
     # None when it answers, else why not, in one line; never raises.
     probe: Optional[Callable[[C, float], Optional[str]]] = None
+    # How long before the machine goes this platform warns: the shortest notice it gives
+    # (None: the time is known far ahead, as an ESI release). The protection verdict holds
+    # the job's step + save + upload against it (sidecar.host.protection); --notice
+    # overrides it per source.
+    notice_seconds: Optional[float] = None
 
 
 # ---------------------------------------------------------------- value parsers

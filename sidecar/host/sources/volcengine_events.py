@@ -203,5 +203,6 @@ SPEC = SourceSpec(
     summary="ECS system events: spot and early reclaim, maintenance",
     # Under --source auto an account whose policy allows the ESI calls but not this one
     # (or an endpoint without the action) skips it rather than degrading the daemon.
+    notice_seconds=SPOT_NOTICE_SECONDS,  # the shortest of its events: a spot reclaim
     traits=SourceTraits(api_budget=True, optional=True),
 )

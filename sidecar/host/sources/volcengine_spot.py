@@ -193,5 +193,6 @@ def probe(config: VolcengineSpotConfig, timeout: float) -> Optional[str]:
 SPEC = SourceSpec(
     name="volcengine-spot", config=VolcengineSpotConfig, build=build, probe=probe,
     summary="ECS spot reclaim from the metadata service",
+    notice_seconds=300.0,  # the spot reclaim: five minutes
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
 )

@@ -44,6 +44,7 @@ from sidecar.tools.simulate.policies import (
 )
 from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
 from sidecar.train.policy import quantile
+from sidecar.train.reclaim_cost import lost_seconds, redone_seconds
 
 __all__ = [
     "DEFAULT_NOTICE_DELAY_SECONDS",
@@ -281,7 +282,8 @@ def simulate_run(
     durable = durable_times(checkpoints, known_deadline, first_estimate)
     resumed = max((c for c, at in zip(checkpoints, durable) if at <= reclaim_seconds),
                   key=lambda c: c.state_seconds)
-    unsaved = sum(max(0.0, end - max(start, resumed.state_seconds)) for start, end in trained)
+    # The account the daemon and `esi-sidecar restore` keep too (sidecar.train.reclaim_cost).
+    unsaved = redone_seconds(trained, resumed.state_seconds)
     return RunOutcome(
         workload=workload.name,
         policy=policy.name,
@@ -290,7 +292,7 @@ def simulate_run(
         learned_seconds=learned_seconds,
         feasible=feasible,
         missed=unsaved > 0 and resumed.saved_seconds < window_opens,
-        lost_seconds=reclaim_seconds - resumed.state_seconds,
+        lost_seconds=lost_seconds(reclaim_seconds, resumed.state_seconds),
         unsaved_seconds=unsaved,
         saves=saves,
         window_saves=window_saves,
