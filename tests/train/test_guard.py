@@ -639,7 +639,7 @@ def test_reducer_sentinels_for_unknown_values() -> None:
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
-                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP)]
+                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING)]
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -649,9 +649,9 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
     def peer_knows(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        remaining, step, save, covered, upload, after_final, typical = values
+        remaining, step, save, covered, upload, after_final, typical, drill = values
         return [min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
-                upload, after_final, max(typical, 20.0)]
+                upload, after_final, max(typical, 20.0), drill]
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True
