@@ -1,4 +1,5 @@
-"""``esi-sidecar``: serve, status, check, env, emulate, restore, run, install, demo, simulate.
+"""``esi-sidecar``: serve, status, drill, check, env, emulate, restore, run, install, demo,
+simulate.
 
 ``serve``, ``emulate`` and ``demo`` need the ``[server]`` extra and ``restore`` from S3 the
 ``[upload]`` extra (from a mounted volume, nothing more); ``status``,
@@ -20,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from sidecar import __version__
 from sidecar.train.client import DEFAULT_URL, ENV_URL
+from sidecar.train.drill_cli import add_drill_parser
 from sidecar.train.policy import DEFAULT_REDUNDANT_SECONDS, DEFAULT_SAVE_SECONDS, seed_rule
 from sidecar.train.status_view import (  # noqa: F401  (re-exported: the CLI's names)
     EXIT_NOT_HEALTHY,
@@ -347,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "10 otherwise)")
     status.add_argument("--count", type=int, default=None, help=argparse.SUPPRESS)
     status.set_defaults(func=cmd_status)
+    add_drill_parser(commands, _timeout)  # esi-sidecar drill (sidecar.train.drill_cli)
 
     check = commands.add_parser(
         "check",

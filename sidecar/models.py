@@ -146,12 +146,17 @@ class Expiry:
     # Every source's notices (source, kind, expires_at, expires_at_unix, remaining_seconds,
     # advisory, detail, observed_at, stale), the earliest deadline first, advice last.
     notices: tuple[dict[str, Any], ...] = ()
+    # A fire drill under way (``esi-sidecar drill``, docs/drill.md): its id, deadline
+    # (expires_at, expires_at_unix, remaining_seconds) and start. Never in expires_at: a
+    # guard that knows no drills goes on training, the real deadline stays the real one.
+    drill: Optional[dict[str, Any]] = None
 
     def to_json(self) -> dict[str, Any]:
         # Not asdict(): its deep copy costs more than the rest of a /v1/expiry answer, and
         # every field but notices is immutable already.
         body = {name: getattr(self, name) for name in _EXPIRY_FIELDS}
         body["notices"] = [dict(notice) for notice in self.notices]
+        body["drill"] = None if self.drill is None else dict(self.drill)
         return body
 
     @classmethod
@@ -177,10 +182,24 @@ class Expiry:
             upload_seconds=_number(body, "upload_seconds"),
             upload_status=_text(body, "upload_status"),
             notices=_notices(body),
+            drill=_drill(body),
         )
 
 
 _EXPIRY_FIELDS = tuple(field.name for field in fields(Expiry))
+
+
+def _drill(body: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """The drill under way, or None; one without a usable id and deadline is none."""
+    drill = body.get("drill")
+    if not isinstance(drill, Mapping):
+        return None
+    try:
+        deadline = _number(drill, "expires_at_unix", optional=False)
+        identity = _text(drill, "id")
+    except ValueError:
+        return None
+    return None if identity is None or deadline is None else dict(drill)
 
 
 def _notices(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -29,6 +29,8 @@ from pydantic import BaseModel, BeforeValidator
 
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
+from sidecar.host.drill import DrillBoard
+from sidecar.host.drill_api import DrillCollector, add_drill_routes
 from sidecar.host.events import EventHistory, add_event_routes
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
 from sidecar.host.protection import ProtectionBoard
@@ -56,10 +58,14 @@ class UploadsView(Protocol):
     def durability(self) -> tuple[Optional[float], str]: ...
 
 
-def current_expiry(store: Store, uploads: Optional[UploadsView], now: float) -> Expiry:
-    """The ``/v1/expiry`` body: the store's deadline, and the uploader's durability
-    estimate when this daemon uploads checkpoints."""
+def current_expiry(store: Store, uploads: Optional[UploadsView], now: float,
+                   drills: Optional[DrillBoard] = None) -> Expiry:
+    """The ``/v1/expiry`` body: the store's deadline, the uploader's durability estimate
+    when this daemon uploads checkpoints, and the fire drill under way, if any."""
     expiry = store.expiry(now)
+    drill = None if drills is None else drills.served(expiry.expires_at_unix, now)
+    if drill is not None:
+        expiry = replace(expiry, drill=drill)
     if uploads is None:
         return expiry
     upload_seconds, status = uploads.durability()
@@ -119,6 +125,7 @@ def create_app(
     events: Optional[EventHistory] = None,
     protection: Optional[ProtectionBoard] = None,
     reclaims: Optional[ReclaimLedger] = None,
+    drills: Optional[DrillBoard] = None,
 ) -> FastAPI:
     """The API over ``store``; with ``token``, peers beyond loopback must send it
     (``sidecar.host.auth``)."""
@@ -143,7 +150,7 @@ def create_app(
 
     @app.get("/v1/expiry", response_model=Expiry, summary="The earliest known deadline")
     async def expiry() -> Response:
-        return _json(current_expiry(store, uploads, clock()).to_json())
+        return _json(current_expiry(store, uploads, clock(), drills).to_json())
 
     @app.get("/v1/decision", response_model=Decision, summary="Save now? (the seed rule)")
     async def decision(
@@ -216,6 +223,9 @@ def create_app(
 
     if events is not None:  # the jobs' events (sidecar.host.events)
         add_event_routes(app, events, clock)
+    if events is not None and drills is not None:  # fire drills (sidecar.host.drill)
+        add_drill_routes(app, drills, events, lambda now: store.expiry(now).expires_at_unix,
+                         clock, token)
 
     if protection is not None:
         @app.get("/v1/protection", summary="Per running source: does its notice hold the "
@@ -236,7 +246,7 @@ def create_app(
                                          "fetches it every 5 s)")] = False,
     ) -> Response:
         now = clock()
-        expiry = current_expiry(store, uploads, now).to_json()
+        expiry = current_expiry(store, uploads, now, drills).to_json()
         _code, health = health_body(now)
         text = render_page(
             expiry=expiry, health=health, moves=store.moves(), now=now, fragment=fragment,
@@ -244,6 +254,7 @@ def create_app(
             uploads=None if uploads is None else uploads.body(now, 10),
             protection=None if protection is None else protection.body(now),
             reclaims=None if reclaims is None else reclaims.body(),
+            drills=None if drills is None else drills.body(expiry["expires_at_unix"], now),
         )
         return Response(text, media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-store",
@@ -254,7 +265,8 @@ def create_app(
     async def docs() -> Response:
         return Response(_endpoints_page(app.openapi()), media_type="text/html")
 
-    app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock)
+    app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock,
+                       drills=drills)
 
     # The app's own registry, never prometheus_client's global one: two apps in one process
     # (the tests, the demo) each export their own daemon. process_* reads /proc (Linux).
@@ -270,6 +282,8 @@ def create_app(
         registry.register(protection)
     if reclaims is not None:
         registry.register(reclaims)
+    if drills is not None:
+        registry.register(DrillCollector(drills, clock))
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:
@@ -335,17 +349,19 @@ class _ExpiryFastPath:
     The body is exactly what the routed handler returns (tests compare both)."""
 
     def __init__(self, app: Any, store: Store, uploads: Optional[UploadsView],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], drills: Optional[DrillBoard] = None) -> None:
         self.app = app
         self.store = store
         self.uploads = uploads
         self.clock = clock
+        self.drills = drills
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/expiry" and (
             scope["method"] == "GET"
         ):
-            body = _encode(current_expiry(self.store, self.uploads, self.clock()).to_json())
+            body = _encode(current_expiry(self.store, self.uploads, self.clock(),
+                                          self.drills).to_json())
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

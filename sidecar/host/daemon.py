@@ -31,6 +31,8 @@ from sidecar.host.connections import (
     connection_limit,
     raise_open_file_limit,
 )
+from sidecar.host.drill import DrillBoard
+from sidecar.host.drill_api import ReportingHistory
 from sidecar.host.events import EventHistory
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
@@ -101,7 +103,8 @@ def build_daemon(settings: Settings) -> Daemon:
     # One state file, its sections loaded together: a deadline that changed is written at
     # once, the job events within 2 s (sidecar.host.statefile).
     state = StateFile(settings.state_file)
-    events = EventHistory(on_change=state.changed)
+    drills = DrillBoard()  # in memory: a restart leaves no drill behind
+    events = ReportingHistory(drills, on_change=state.changed)
     reclaims = ReclaimLedger(events, uploads=settings.upload_to is not None,
                              on_change=state.changed)
     state.add(StoreSection(store), events, reclaims)
@@ -153,7 +156,7 @@ def build_daemon(settings: Settings) -> Daemon:
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None,
                      token=settings.token, events=events, protection=protection,
-                     reclaims=reclaims)
+                     reclaims=reclaims, drills=drills)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
     return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)

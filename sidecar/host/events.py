@@ -45,6 +45,7 @@ from pydantic import (
 )
 
 from sidecar.host.connections import HEADER_TIMEOUT_SECONDS
+from sidecar.host.drill_event import DrillReport
 from sidecar.host.event_limits import KeyedBuckets
 from sidecar.host.query import digits
 
@@ -53,7 +54,7 @@ __all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_r
 log = logging.getLogger("sidecar.host.events")
 
 KINDS = ("step-estimate", "save-started", "save-finished", "durable", "not-durable",
-         "too-late", "waiting", "resumed", "stop")
+         "too-late", "waiting", "resumed", "stop", "drill")
 HISTORY_LENGTH = 500
 MAX_EVENTS_PER_REQUEST = 100
 MAX_BODY_BYTES = 64 * 1024
@@ -73,7 +74,7 @@ PEER_FACTOR = 4.0  # a peer's bucket, in jobs' buckets
 # job, a few saves a minute at most from a guard.
 SAVE_RATE_PER_SECOND = 1.0
 SAVE_BURST_EVENTS = 50.0
-SAVE_KINDS = ("save-finished", "durable", "not-durable")
+SAVE_KINDS = ("save-finished", "durable", "not-durable", "drill")
 MAX_TRACKED_JOBS = 64  # jobs whose last state is kept; (job, rank) pairs whose last step
 MAX_TRACKED_PEERS = 256  # peers, and jobs, with a rate bucket
 EVENTS_STATE_KEY = "events"
@@ -120,6 +121,7 @@ class JobEvent(BaseModel):
     remaining_seconds: Optional[SignedSeconds] = None  # as the job saw it, at at_unix
     released: Optional[bool] = None  # stop: because the release came
     reason: Optional[Text] = None
+    drill: Optional[DrillReport] = None  # drill: the guard's figures (sidecar.host.drill)
 
     @field_validator("at_unix")
     @classmethod

@@ -121,6 +121,7 @@ def render_page(
     host: Optional[str] = None,
     protection: Optional[dict[str, Any]] = None,
     reclaims: Optional[dict[str, Any]] = None,
+    drills: Optional[dict[str, Any]] = None,
 ) -> str:
     """The page (or only its ``<main>`` content, ``fragment``) for these bodies: the
     ``/v1/expiry``, ``/healthz``, ``/v1/events`` and ``/v1/uploads`` answers."""
@@ -136,6 +137,7 @@ def render_page(
         _saves(events, now),
         _uploads(uploads, now),
         _reclaims(reclaims),
+        _drills(drills, now),
     ))
     if fragment:
         return body
@@ -422,3 +424,26 @@ def _uploads(uploads: Optional[dict[str, Any]], now: float) -> str:
             f"{' — ' + _e(error) if error else ''}; last durable step "
             f"{_e(step) if step is not None else 'none'} "
             f"({_ago(now, uploads.get('last_durable_at_unix'))})</p>{table}")
+
+
+def _drills(drills: Optional[dict[str, Any]], now: float) -> str:
+    """The last fire drills (``GET /v1/drill``): verdict, figures, reason."""
+    listed = (drills or {}).get("drills") or []
+    if not listed:
+        return ""
+    rows = []
+    for drill in listed[:5]:
+        figures = drill.get("figures") or {}
+        verdict = drill.get("verdict") or drill.get("state")
+        css = "bad" if verdict == "FAIL" else ""
+        numbers = ", ".join(f"{label} {_seconds(figures[key])}" for key, label in (
+            ("budget_seconds", "budget"), ("save_seconds", "save"),
+            ("upload_seconds", "upload"), ("durable_seconds", "durable after"))
+            if figures.get(key) is not None)
+        rows.append(f"<tr class=\"drill-row\"><td>{_e(drill.get('id'))}</td>"
+                    f"<td>{_ago(now, drill.get('started_at_unix'))}</td>"
+                    f"<td class=\"{css}\">{_e(verdict)}</td><td>{_e(figures.get('step'))}</td>"
+                    f"<td>{_e(numbers)}</td><td>{_e(drill.get('reason') or '')}</td></tr>")
+    return ("<h2>Fire drills</h2><table id=\"drills\"><tr><th>drill</th><th>started</th>"
+            "<th>verdict</th><th>step</th><th>figures</th><th>why</th></tr>"
+            + "".join(rows) + "</table>")

@@ -206,7 +206,11 @@ class SidecarClient:
             chosen = next((a for a in answered if a.stale), answered[0])
         if len(self._endpoints) < 2:
             return chosen
-        return _with_slowest_upload(chosen, [*answered, *candidates])
+        chosen = _with_slowest_upload(chosen, [*answered, *candidates])
+        # A drill on any node is the job's drill: the earliest one answered.
+        drills = [a.drill for a in answered if a.drill is not None]
+        drill = min(drills, key=lambda d: d["expires_at_unix"]) if drills else None
+        return chosen if drill is chosen.drill else replace(chosen, drill=drill)
 
     def _log_failing(self, failing: tuple[str, ...], *, any_answered: bool) -> None:
         """One line per change of the set of daemons that do not answer, while others do.

@@ -130,6 +130,13 @@ class DeadlineTracker:
         # The daemons' upload estimate and state, as last answered (kept while unreachable).
         self._upload_seconds: Optional[float] = None
         self._upload_status: Optional[str] = None
+        self._drill: Optional[dict[str, object]] = None  # the daemon's drill under way
+
+    @property
+    def drill(self) -> Optional[dict[str, object]]:
+        """The fire drill the daemon(s) last answered (``Expiry.drill``), None when there
+        is none or no daemon answered: a drill never outlives its daemon's word."""
+        return self._drill
 
     @property
     def reachable(self) -> bool:
@@ -195,6 +202,7 @@ class DeadlineTracker:
         self._last_error = error
         failed = answer is None or error is not None
         self._next_refresh = now + (self.daemon_retry_seconds if failed else self.refresh_seconds)
+        self._drill = None if answer is None else answer.drill
         if answer is None:
             self._reachable = self._current = False
             if not self._warned_unreachable:

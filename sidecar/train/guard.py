@@ -36,6 +36,7 @@ from typing import Callable, Optional, TypeVar
 
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
+from sidecar.train.drill import DrillFollower
 from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents, save_kind
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
@@ -129,15 +130,12 @@ class CheckpointGuard:
       below the platform's grace). The next step saves; without a reducer
       ``should_stop()`` then returns True at once; across ranks they all leave at it.
       Opt-in; build the guard in the main thread (its handler replaces SIGTERM's).
-    - ``events``: tell this node's daemon what happens (:mod:`sidecar.train.job_events`,
-      docs/events.md), never waiting for it. Default on; ``job`` names the job (default
-      ``hostname:pid``), the rank is ``$RANK`` when set.
+    - ``events``: tell this node's daemon what happens, never waiting (docs/events.md).
+      Default on; ``job`` names the job (default ``hostname:pid``), the rank is ``$RANK``.
 
-    Where the deadline comes from (see :class:`DeadlineTracker`, which caches it): the
-    daemon's answer while it has a current one; the environment variables when the daemon
-    freshly answers without one, or none was ever known; while a daemon is unreachable or
-    answers stale without a deadline, the earlier of its last known deadline and the
-    environment's. Not thread-safe: call it from the training loop's thread.
+    Where the deadline comes from: see :class:`DeadlineTracker`, which caches it; a fire
+    drill's (:mod:`sidecar.train.drill`) is saved for, never stopped for. Not thread-safe:
+    call it from the training loop's thread.
     """
 
     def __init__(
@@ -180,6 +178,8 @@ class CheckpointGuard:
                                  monotonic=monotonic)
         self._durability = DurabilityFollower(self._tracker, self._events, clock=clock,
                                               monotonic=monotonic)
+        self._drill = DrillFollower(self._tracker, self._durability, self._events, clock,
+                                    self._vote.drills)
         self._release = ReleaseWait(self._events, clock=clock, sleep=sleep,
                                     collective=self._vote.collective)
         # The verdict behind the last should_save()/should_stop() (reduced across ranks),
@@ -325,6 +325,7 @@ class CheckpointGuard:
         if asked is not None and asked.save_now:  # the save the rule asked for
             self._durability.saved(step=step, deadline_unix=deadline_unix,
                                    top_up=asked.top_up, committed=committed)
+        self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=asked)
 
     def state_dict(self) -> dict[str, object]:
         """What the guard learned, plain JSON, to keep in the checkpoint (step and save
@@ -381,15 +382,15 @@ class CheckpointGuard:
     def should_stop(self) -> bool:
         """True once the final save is done and the release has come: leave the loop.
 
-        After the final save the guard waits here (``wait_for_release``, the default; see
-        :mod:`sidecar.train.release_wait`) until either the release time has passed
-        (True: leave the loop and exit with :data:`EXIT_RELEASED`, so a launcher tells it
-        from a crash; :attr:`released` is True) or the release moved later (False:
-        training goes on and the rule re-arms). Without ``wait_for_release`` it returns
-        True right after the final save. Collective when a reducer is set, so that every
-        rank leaves the loop together.
+        After the final save the guard waits here (``wait_for_release``, the default:
+        :mod:`sidecar.train.release_wait`) until the release time has passed (True: exit
+        with :data:`EXIT_RELEASED`; :attr:`released` is True) or the release moved later
+        (False: training goes on, the rule re-arms); without it, True right after the final
+        save. Collective with a reducer: every rank leaves together. Never for a drill.
         """
         verdict = self._agree()
+        if self._drill.holds():  # a drill: the save is real, the stop never is (drill.py)
+            return False
         decision = verdict[0]
         starting = decision.stop and not self._stopping
         if starting:
@@ -480,6 +481,7 @@ class CheckpointGuard:
             steps_after_final=UNKNOWN_AFTER_FINAL if after_final is None else after_final,
             typical_step_seconds=vote.typical_step_seconds,
         )
+        self._drill.decided(vote, decision, agreed=reduce)
         remaining = vote.remaining_seconds
         verdict = decision, None if remaining is None else now_unix + remaining
         if collective:
@@ -496,6 +498,7 @@ class CheckpointGuard:
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
                 self._warned_internal = True
+        deadline, drill = self._drill.earlier(deadline, now_unix)
         deadline, _source = with_sigterm(self.sigterm, deadline, None)
         policy = self.policy
         return Vote(
@@ -508,6 +511,7 @@ class CheckpointGuard:
             steps_after_final=policy.steps_after_final() if self._sigterm_deadline() is None
             else -1.0,
             typical_step_seconds=policy.typical_step_estimate(),
+            drill_seconds=None if drill is None else drill - now_unix,
         )
 
     def _sigterm_deadline(self) -> Optional[float]:

@@ -161,6 +161,23 @@ def describe_job(events: Any, now: Optional[float] = None) -> list[str]:
     return lines
 
 
+def describe_drills(drills: Any, now: Optional[float] = None) -> list[str]:
+    """The drill under way or the last one, from a /v1/drill body (docs/drill.md)."""
+    listed = drills.get("drills") if isinstance(drills, dict) else None
+    if not isinstance(listed, list) or not listed or not isinstance(listed[0], dict):
+        return []
+    drill, now = listed[0], time.time() if now is None else now
+    if drill.get("result") is None:
+        left = drill.get("remaining_seconds")
+        when = f"in {format_duration(left)}" if isinstance(left, (int, float)) and left > 0 \
+            else "passed, waiting for the job's report"
+        return [f"drill: {drill.get('id')} under way (its deadline {when})"]
+    verdict = "FAIL: no answer" if drill["result"] == "no-answer" else drill.get("verdict")
+    at = drill.get("decided_at_unix")
+    ago = f", {format_duration(now - at)} ago" if isinstance(at, (int, float)) else ""
+    return [f"last drill: {drill.get('id')} {verdict} ({drill.get('reason')}{ago})"]
+
+
 def describe_uploads(uploads: Any) -> list[str]:
     """One line on the uploader, from a /v1/uploads body (none without an uploader)."""
     if not isinstance(uploads, dict) or not uploads.get("enabled"):
@@ -196,10 +213,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(json.dumps(expiry.to_json(), indent=2))
     else:
-        # The verdicts before the sources: scripts read the sources' lines last.
+        # The verdicts before the sources: scripts read the sources' lines last
+        # (the drills' lines follow only once a drill ran).
         print("\n".join(describe(expiry)
                         + describe_protection(_get_json(args, "/v1/protection"))
-                        + describe_sources(health)))
+                        + describe_sources(health)
+                        + describe_drills(_get_json(args, "/v1/drill"))))
     if _is_healthy(health):
         return 0
     verdict = health.get("status", "?") if isinstance(health, dict) else "no /healthz answer"

@@ -116,6 +116,7 @@ class Vote:
     upload_seconds: Optional[float] = vote_field(MAX, UNKNOWN_UPLOAD)
     steps_after_final: Optional[float] = vote_field(MIN, UNKNOWN_AFTER_FINAL)  # -1: topped up
     typical_step_seconds: Optional[float] = vote_field(MAX, UNKNOWN_STEP)
+    drill_seconds: Optional[float] = vote_field(MIN, UNKNOWN_REMAINING)  # a drill's (drill.py)
 
     @classmethod
     def table(cls) -> tuple[VoteField, ...]:
@@ -149,16 +150,20 @@ class Vote:
 
 
 class SevenFloatReducer:
-    """The old reducer protocol (seven positional floats), adapted to the list one."""
+    """The old reducer protocol (seven positional floats), adapted to the list one.
+
+    The drill's number (the eighth) cannot travel through it: a guard with such a reducer
+    follows no drill (``CollectiveVote.drills``), so the slot is always "unknown"."""
 
     def __init__(self, reducer: Callable[..., Sequence[float]]) -> None:
         self.reducer = reducer
 
     def __call__(self, values: Sequence[float], ops: Sequence[Op], /) -> Sequence[float]:
-        if len(values) != 7:
+        drill = len(values) == 8 and values[7] == UNKNOWN_REMAINING
+        if len(values) != 7 and not drill:
             raise TypeError(f"a reducer of seven positional floats cannot reduce a vote of "
                             f"{len(values)} numbers: take (values, ops) instead")
-        return list(self.reducer(*values))
+        return [*self.reducer(*values[:7]), *values[7:]]
 
 
 def as_reducer(reducer: Any) -> Reducer:
@@ -211,6 +216,12 @@ class CollectiveVote:
     @property
     def collective(self) -> bool:
         return self._reducer is not None
+
+    @property
+    def drills(self) -> bool:
+        """Whether a drill's deadline can travel between the ranks (not through a reducer
+        of seven positional floats, which has no slot for it)."""
+        return not isinstance(self._reducer, SevenFloatReducer)
 
     def reuse(self) -> Optional[Verdict]:
         """The far verdict, when this decision is one the schedule skips."""

@@ -93,6 +93,10 @@ def test_peers_beyond_loopback_need_the_token_and_loopback_stays_open() -> None:
     assert result["remote_post_token"] == 202
     assert result["client_events_sent"] == 1
     assert result["events_jobs"] == ["netns:2", "netns:1"]
+    # POST /v1/drill: 401 without the token; with it, the drill's own refusal (no job).
+    assert result["remote_drill_no_token"]["code"] == 401
+    assert result["remote_drill_token"]["code"] == 409
+    assert result["remote_drill_token"]["body"]["reason"] == "no-job"
     # The client sends it (argument or ESI_SIDECAR_TOKEN) and says what a 401 means.
     assert result["client_token"] == 1893456000.0
     assert result["client_env_token"] == 1893456000.0

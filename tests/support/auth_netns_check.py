@@ -88,6 +88,11 @@ def main() -> None:
         sender.close()
         result["client_events_sent"] = sender.events_sent
         result["events_jobs"] = [e["job"] for e in get(local + "/v1/events")["body"]["events"]]
+        # A fire drill: only loopback or a token holder may start one (no job here: 409).
+        drill = json.dumps({"in_seconds": 60}).encode()
+        result["remote_drill_no_token"] = get(remote + "/v1/drill", method="POST", data=drill)
+        result["remote_drill_token"] = get(remote + "/v1/drill", "Bearer " + TOKEN,
+                                           method="POST", data=drill)
         with_token = SidecarClient(remote, timeout=2, token=TOKEN)
         answer = with_token.expiry()
         result["client_token"] = None if answer is None else answer.expires_at_unix

@@ -1,12 +1,15 @@
 """What the client's and the guard's tests share: a clean environment, a hand-moved
-monotonic clock, a counting client, a hung listener, a static daemon and a plain guard."""
+monotonic clock, a counting client, a hung listener, a static daemon, a plain guard and an
+in-process all-reduce for ranks in threads."""
 
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
-from typing import Optional
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import pytest
 from daemon_harness import serve_daemon
@@ -15,7 +18,9 @@ from sidecar.models import Expiry
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import (
     CheckpointGuard,
+    Reducer,
 )
+from sidecar.train.vote import MIN, Op
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 SAGEMAKER = "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
@@ -92,3 +97,44 @@ def good_body(**changes: object) -> bytes:
     }
     body.update(changes)
     return json.dumps(body).encode()
+
+
+class ThreadAllReduce:
+    """An in-process all-reduce for N "ranks" running in threads (what gloo would do)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=10)
+        self.slots: list[tuple[float, ...]] = [(0.0,) * 8] * world_size
+        self.calls = [0] * world_size
+
+    def for_rank(self, rank: int) -> Reducer:
+        def reduce(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
+            self.calls[rank] += 1
+            self.slots[rank] = tuple(values)
+            self.barrier.wait()
+            columns = list(zip(*self.slots))
+            self.barrier.wait()  # nobody overwrites a slot before everyone has read
+            return [min(column) if op == MIN else max(column)
+                    for op, column in zip(ops, columns)]
+
+        return reduce
+
+    def run(self, train: Callable[[int], None], timeout: float = 30) -> list[BaseException]:
+        """``train(rank)`` in one thread per rank; what they raised (a failing rank breaks
+        the barrier, so the others do not wait for it)."""
+        errors: list[BaseException] = []
+
+        def guarded(rank: int) -> None:
+            try:
+                train(rank)
+            except BaseException as exc:  # reported to the main thread
+                errors.append(exc)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=guarded, args=(rank,))
+                   for rank in range(len(self.calls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout)
+        return errors

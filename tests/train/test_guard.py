@@ -22,6 +22,7 @@ from guard_support import (  # noqa: F401  (clean_environment: a fixture)
     TRAIN_LOGGER,
     CountingClient,
     FakeMonotonic,
+    ThreadAllReduce,
     clean_environment,
     closed_port,
     good_body,
@@ -40,10 +41,9 @@ from sidecar.train.guard import (
     UNKNOWN_STEP,
     UNKNOWN_UPLOAD,
     CheckpointGuard,
-    Reducer,
 )
 from sidecar.train.policy import SavePolicy
-from sidecar.train.vote import MIN, Op
+from sidecar.train.vote import Op
 
 # ------------------------------------------------------------------ guard: real daemon
 
@@ -465,47 +465,6 @@ def test_default_guard_reads_the_environment(monkeypatch: pytest.MonkeyPatch) ->
 # ------------------------------------------------------------------ reducer (ranks)
 
 
-class ThreadAllReduce:
-    """An in-process all-reduce for N "ranks" running in threads (what gloo would do)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.barrier = threading.Barrier(world_size, timeout=10)
-        self.slots: list[tuple[float, ...]] = [(0.0,) * 7] * world_size
-        self.calls = [0] * world_size
-
-    def for_rank(self, rank: int) -> Reducer:
-        def reduce(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-            self.calls[rank] += 1
-            self.slots[rank] = tuple(values)
-            self.barrier.wait()
-            columns = list(zip(*self.slots))
-            self.barrier.wait()  # nobody overwrites a slot before everyone has read
-            return [min(column) if op == MIN else max(column)
-                    for op, column in zip(ops, columns)]
-
-        return reduce
-
-    def run(self, train: Callable[[int], None], timeout: float = 30) -> list[BaseException]:
-        """``train(rank)`` in one thread per rank; what they raised (a failing rank breaks
-        the barrier, so the others do not wait for it)."""
-        errors: list[BaseException] = []
-
-        def guarded(rank: int) -> None:
-            try:
-                train(rank)
-            except BaseException as exc:  # reported to the main thread
-                errors.append(exc)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=guarded, args=(rank,))
-                   for rank in range(len(self.calls))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout)
-        return errors
-
-
 @pytest.mark.parametrize("daemon_rank", [0, 1])
 def test_ranks_decide_alike_and_stop_together(daemon_rank: int) -> None:
     # Rank 0 saves (DDP style: rank 0 writes the checkpoint); one rank talks to a daemon,
@@ -639,7 +598,7 @@ def test_reducer_sentinels_for_unknown_values() -> None:
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
-                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP)]
+                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING)]
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -649,9 +608,9 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
     def peer_knows(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        remaining, step, save, covered, upload, after_final, typical = values
+        remaining, step, save, covered, upload, after_final, typical, drill = values
         return [min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
-                upload, after_final, max(typical, 20.0)]
+                upload, after_final, max(typical, 20.0), drill]
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True

@@ -50,6 +50,7 @@ def test_the_table_is_the_dataclass_in_wire_order() -> None:
         ("upload_seconds", MAX, UNKNOWN_UPLOAD),
         ("steps_after_final", MIN, UNKNOWN_AFTER_FINAL),
         ("typical_step_seconds", MAX, UNKNOWN_STEP),
+        ("drill_seconds", MIN, UNKNOWN_REMAINING),
     ]
     assert Vote.ops() == [op for _name, op, _unknown in table]
 
@@ -67,9 +68,10 @@ def test_unknown_travels_as_a_value_that_loses_and_comes_back_as_none() -> None:
                                      Vote.ops()))
     assert reduced == Vote(step_seconds=2.0)
     # Nothing a reducer returns that is not a number on the winning side is taken as known.
-    garbage = [math.nan, math.inf, -math.inf, math.inf, math.nan, math.nan, UNKNOWN_STEP]
+    garbage = [math.nan, math.inf, -math.inf, math.inf, math.nan, math.nan, UNKNOWN_STEP,
+               math.nan]
     assert Vote.unpack(garbage) == Vote()
-    with pytest.raises(ValueError, match="returned 6 numbers, not 7"):
+    with pytest.raises(ValueError, match="returned 6 numbers, not 8"):
         Vote.unpack([0.0] * 6)
 
 
@@ -86,7 +88,7 @@ def test_adding_a_field_is_one_line() -> None:
     ranks = [WiderVote(remaining_seconds=50.0), WiderVote(queue_seconds=4.0, step_seconds=1.0)]
 
     def reducer(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        assert len(values) == len(ops) == 8
+        assert len(values) == len(ops) == 9
         return all_reduce([rank.pack() for rank in ranks], ops)
 
     assert ranks[0].reduced(reducer) == WiderVote(remaining_seconds=50.0, step_seconds=1.0,
@@ -142,5 +144,5 @@ def test_a_seven_float_reducer_cannot_reduce_a_wider_vote() -> None:
     with pytest.warns(DeprecationWarning):
         adapted = as_reducer(lambda a, b, c, d, e, f, g: (a, b, c, d, e, f, g))
     assert list(adapted(Vote().pack(), Vote.ops())) == Vote().pack()
-    with pytest.raises(TypeError, match="cannot reduce a vote of 8 numbers"):
+    with pytest.raises(TypeError, match="cannot reduce a vote of 9 numbers"):
         WiderVote().reduced(adapted)

@@ -21,7 +21,7 @@ from upload_support import (
     wait_for,
 )
 
-from sidecar.checkpoint.folders import list_checkpoints
+from sidecar.checkpoint.folders import list_checkpoints, prune
 from sidecar.host.upload import transfer
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.uploader import MARKER_NAME, Uploader, UploaderConfig
@@ -340,6 +340,20 @@ def test_keep_local_prunes_only_what_is_durable(
     finally:
         uploader.stop()
     assert [listing.step for listing in list_checkpoints(tmp_path)] == [2]
+
+
+def test_a_drills_checkpoint_not_yet_durable_never_costs_the_newest_durable_one(
+    tmp_path: Path,
+) -> None:
+    """The uploader's pruning (keep_local, protect: not yet settled) while a fire drill's
+    checkpoint uploads: the newest durable one stays, here and in storage (nothing there
+    is ever deleted), whatever keep_local says."""
+    for step in (1, 2, 3):
+        make_checkpoint(tmp_path, step, {"w.bin": 10})
+    settled = {"step_00000001", "step_00000002"}  # step 3: the drill's, uploading
+    removed = prune(tmp_path, 1, protect=lambda info: info.name not in settled)
+    assert [path.name for path in removed] == ["step_00000001"]
+    assert [listing.step for listing in list_checkpoints(tmp_path)] == [3, 2]
 
 
 def test_a_new_checkpoint_is_noticed_through_inotify_without_waiting_for_the_rescan(

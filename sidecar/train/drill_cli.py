@@ -1,0 +1,172 @@
+"""``esi-sidecar drill``: start a fire drill on one or more daemons, and with ``--wait``
+print each verdict and its figures (docs/drill.md).
+
+Standard library only, like ``esi-sidecar status``. Exit status: 0 every drill passed (or,
+without ``--wait``, every drill started), 1 one failed (or was called off by a real
+deadline), 2 refused or a usage error, 3 no job answered (none runs against a daemon, or
+none reported by the drill deadline + grace), 4 a daemon unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+from sidecar.train.client import ENV_TOKEN, SidecarClient
+
+__all__ = ["EXIT_FAIL", "EXIT_NO_ANSWER", "EXIT_PASS", "EXIT_REFUSED", "EXIT_UNREACHABLE",
+           "cmd_drill", "describe_drill", "drill_request"]
+
+EXIT_PASS, EXIT_FAIL, EXIT_REFUSED, EXIT_NO_ANSWER, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
+POLL_SECONDS = 0.5
+WAIT_SLACK_SECONDS = 30.0  # beyond the drill deadline + the daemon's grace
+
+
+def drill_request(url: str, method: str, body: Optional[dict[str, Any]] = None,
+                  timeout: float = 5.0) -> tuple[Optional[int], Any]:
+    """(HTTP status, JSON body) of ``method /v1/drill`` on ``url``; (None, why) when the
+    daemon cannot be reached. Sends ``$ESI_SIDECAR_TOKEN`` as the client does."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + "/v1/drill", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    token = os.environ.get(ENV_TOKEN, "").strip()
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read(1 << 20))
+    except urllib.error.HTTPError as exc:
+        with exc:
+            try:
+                return exc.code, json.loads(exc.read(1 << 16))
+            except ValueError:
+                return exc.code, {"error": f"HTTP {exc.code}"}
+    except (OSError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _seconds(value: Any) -> str:
+    return "?" if not isinstance(value, (int, float)) else f"{value:.1f} s"
+
+
+def describe_drill(drill: dict[str, Any]) -> list[str]:
+    """The verdict line and the figures behind it, from a drill of ``GET /v1/drill``."""
+    verdict = drill.get("verdict") or drill.get("state") or "?"
+    result = drill.get("result")
+    label = "FAIL: no answer" if result == "no-answer" else verdict
+    lines = [f"{drill.get('id')}: {label} - {drill.get('reason') or 'waiting for the job'}"]
+    figures = drill.get("figures") or {}
+    if figures:
+        seconds = {key: _seconds(figures.get(key)) for key in (
+            "budget_seconds", "save_seconds", "upload_seconds", "durable_seconds",
+            "lead_seconds")}
+        lines.append(
+            f"  step {figures.get('step', '?')}; budget planned {seconds['budget_seconds']}; "
+            f"save {seconds['save_seconds']}, upload {seconds['upload_seconds']}, durable "
+            f"{seconds['durable_seconds']} after the save started; "
+            f"{seconds['lead_seconds']} before the drill deadline "
+            f"(lead {_seconds(drill.get('lead_seconds'))}; job {figures.get('job', '?')})")
+    return lines
+
+
+def _exit_for(drill: dict[str, Any]) -> int:
+    return {"pass": EXIT_PASS, "no-answer": EXIT_NO_ANSWER}.get(drill.get("result") or "",
+                                                              EXIT_FAIL)
+
+
+def _start(url: str, lead: Optional[float], timeout: float) -> tuple[int, Optional[dict]]:
+    status, body = drill_request(url, "POST", {} if lead is None else {"in_seconds": lead},
+                                 timeout)
+    if status is None:
+        print(f"esi-sidecar drill: {url}: cannot reach the daemon ({body})", file=sys.stderr)
+        return EXIT_UNREACHABLE, None
+    if status != 201 or not isinstance(body, dict):
+        error = body.get("error") if isinstance(body, dict) else body
+        reason = body.get("reason") if isinstance(body, dict) else None
+        print(f"esi-sidecar drill: {url}: refused (HTTP {status}): {error}",
+              file=sys.stdout if reason == "no-job" else sys.stderr)
+        return (EXIT_NO_ANSWER if reason == "no-job" else EXIT_REFUSED), None
+    at = time.strftime("%H:%M:%S", time.localtime(body["expires_at_unix"]))
+    print(f"{body['id']} started on {url}: drill deadline in {body['lead_seconds']:.0f} s "
+          f"(at {at}); verdict by {body['grace_seconds']:.0f} s after it", flush=True)
+    return EXIT_PASS, body
+
+
+def _wait(url: str, started: dict[str, Any], timeout: float) -> int:
+    give_up = started["expires_at_unix"] + started["grace_seconds"] + WAIT_SLACK_SECONDS
+    while True:
+        status, body = drill_request(url, "GET", timeout=timeout)
+        mine = None
+        if status == 200 and isinstance(body, dict):
+            mine = next((d for d in body.get("drills", ()) if d.get("id") == started["id"]),
+                        None)
+            if mine is None:  # the daemon restarted: its drills are gone
+                print(f"{started['id']}: FAIL: no answer - the daemon at {url} no longer "
+                      "knows this drill (restarted?)")
+                return EXIT_NO_ANSWER
+            if mine.get("result") is not None:
+                print("\n".join(describe_drill(mine)))
+                return _exit_for(mine)
+        if time.time() > give_up:
+            print(f"{started['id']}: FAIL: no answer - no verdict from {url} by "
+                  f"{WAIT_SLACK_SECONDS:.0f} s after the grace")
+            return EXIT_NO_ANSWER
+        time.sleep(POLL_SECONDS)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    lead: Optional[float] = args.in_seconds
+    if lead is not None and (not math.isfinite(lead) or lead <= 0):
+        print(f"esi-sidecar drill: --in: a positive number of seconds, got {lead:g}",
+              file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        urls = SidecarClient(",".join(args.url) if args.url else None).urls
+    except ValueError as exc:
+        print(f"esi-sidecar drill: --url: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    started, codes = [], []
+    for url in urls:
+        code, body = _start(url, lead, args.timeout)
+        codes.append(code)
+        if body is not None:
+            started.append((url, body))
+    if args.wait:
+        codes += [_wait(url, body, args.timeout) for url, body in started]
+    return _worst(codes)
+
+
+def _worst(codes: list[int]) -> int:
+    """FAIL over a refusal over no answer over unreachable over PASS."""
+    for code in (EXIT_FAIL, EXIT_REFUSED, EXIT_NO_ANSWER, EXIT_UNREACHABLE):
+        if code in codes:
+            return code
+    return EXIT_PASS
+
+
+def add_drill_parser(commands: Any, timeout_type: Any) -> None:
+    """The ``drill`` sub-command's options (wired in ``sidecar.cli``)."""
+    drill = commands.add_parser(
+        "drill", help="rehearse a release on the live job: save, upload, train on",
+        description="Ask the daemon(s) for a drill deadline: the job's guard saves and "
+        "uploads for it as for a release, then trains on. Exit 0 PASS, 1 FAIL, 2 refused, "
+        "3 no job answered, 4 unreachable (docs/drill.md).")
+    drill.add_argument("--in", dest="in_seconds", type=float, default=None, metavar="SECONDS",
+                       help="drill deadline this many seconds from now (default: just over "
+                       "the job's save budget as the daemon heard it)")
+    drill.add_argument("--url", action="append", default=None,
+                       help="a daemon URL; repeat it (or comma-separate) for several "
+                       "(default: $ESI_SIDECAR_URL, else the local daemon)")
+    drill.add_argument("--wait", action="store_true",
+                       help="wait for each verdict and print it with its figures")
+    drill.add_argument("--timeout", type=timeout_type, default=5.0,
+                       help="seconds to wait for each answer of a daemon (default 5)")
+    drill.set_defaults(func=cmd_drill)
