@@ -26,6 +26,7 @@ SOURCES: dict[str, str] = {
     "aws": "sidecar.host.sources.aws",
     "gcp": "sidecar.host.sources.gcp",
     "azure": "sidecar.host.sources.azure",
+    "slurm": "sidecar.host.sources.slurm",
     "env": "sidecar.host.sources.env",
     "static": "sidecar.host.sources.static",
 }
