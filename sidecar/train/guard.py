@@ -43,6 +43,7 @@ from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
 from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, judge_one
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
+from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
 from sidecar.train.upload_time import UploadTime
 from sidecar.train.vote import (
     MAX_SKIP_SECONDS,
@@ -88,7 +89,7 @@ class GuardStatus:
     step_seconds: Optional[float]
     save_seconds: float
     deadline_unix: Optional[float]
-    deadline_source: Optional[str]  # "daemon", "env" or None
+    deadline_source: Optional[str]  # "daemon", "env", "slurm", "sigterm" or None
     daemon_reachable: bool
     save_now: bool
     stop: bool
@@ -132,6 +133,7 @@ class CheckpointGuard:
       Opt-in; build the guard in the main thread (its handler replaces SIGTERM's).
     - ``events``: tell this node's daemon what happens, never waiting (docs/events.md).
       Default on; ``job`` names the job (default ``hostname:pid``), the rank is ``$RANK``.
+    - In a Slurm job, while no daemon answers: the job's end (``slurm_deadline``).
 
     Where the deadline comes from: see :class:`DeadlineTracker`, which caches it; a fire
     drill's (:mod:`sidecar.train.drill`) is saved for, never stopped for. Not thread-safe:
@@ -173,6 +175,7 @@ class CheckpointGuard:
             self.sigterm = SigtermDeadline(sigterm_grace_seconds, clock)
             self.sigterm.install()
         self._vote = CollectiveVote(reducer, sigterm_grace=self.sigterm is not None)
+        self._slurm = SlurmDeadline.from_environ(environ, self._vote.collective, self.sigterm)
         self._upload = UploadTime(self._tracker)
         self._events = JobEvents(self.client, enabled=events, job=job, clock=clock,
                                  monotonic=monotonic)
@@ -433,6 +436,7 @@ class CheckpointGuard:
         decision, _deadline = self._decide(reduce=False)
         self._durability.follow()
         deadline, source = self._tracker.deadline(refresh=False)
+        deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source)
         deadline, source = with_sigterm(self.sigterm, deadline, source)
         final, top_up = self._durability.final, self._durability.top_up
         return GuardStatus(
@@ -498,6 +502,7 @@ class CheckpointGuard:
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
                 self._warned_internal = True
+        deadline, _ = with_slurm(self._slurm, self._tracker.reachable, deadline, None, ask=True)
         deadline, drill = self._drill.earlier(deadline, now_unix)
         deadline, _source = with_sigterm(self.sigterm, deadline, None)
         policy = self.policy

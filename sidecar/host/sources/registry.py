@@ -27,6 +27,7 @@ SOURCES: dict[str, str] = {
     "aws-capacity-block": "sidecar.host.sources.aws_capacity_block",
     "gcp": "sidecar.host.sources.gcp",
     "azure": "sidecar.host.sources.azure",
+    "slurm": "sidecar.host.sources.slurm",
     "env": "sidecar.host.sources.env",
     "static": "sidecar.host.sources.static",
 }

@@ -49,15 +49,16 @@ def test_every_registry_entry_declares_a_consistent_spec() -> None:
 def test_the_specs_say_what_the_name_sets_said() -> None:
     traits = registry.traits_of(registry.SOURCES)
     assert {n for n, t in traits.items() if t.adaptive} == {"volcengine-esi",
-                                                            "aws-capacity-block"}
+                                                            "aws-capacity-block", "slurm"}
     assert {n for n, t in traits.items() if t.api_budget} == {"volcengine-esi",
                                                               "volcengine-events",
                                                               "aws-capacity-block"}
     assert {n: t.poll_interval_seconds for n, t in traits.items() if t.poll_interval_seconds} \
-        == {"aws": 2.0, "gcp": 1.0, "azure": 1.0, "volcengine-spot": 1.8}
+        == {"aws": 2.0, "gcp": 1.0, "azure": 1.0, "volcengine-spot": 1.8,
+                                                          "slurm": 60.0}
     assert registry.auto_candidates() == ("volcengine-esi", "volcengine-events",
                                           "volcengine-spot", "aws", "aws-capacity-block", "gcp",
-                                          "azure")
+                                          "azure", "slurm")
 
 
 def _run(code: str, *, path: Path) -> str:
@@ -211,7 +212,7 @@ def test_a_new_source_is_one_module_and_one_registry_line(
     seen = json.loads(out)
     assert seen["flag"] and seen["variable"] and seen["listed"]
     rows = seen["rows"]  # after the other sources' rows, before the upload's
-    assert rows.index("spot_metadata_url") == rows.index("azure_approve") + 1
+    assert rows.index("spot_metadata_url") == rows.index("slurm_node") + 1
     assert seen["sources"] == ["volcengine-spot", "auto"]
     assert seen["option"] == {"spot_metadata_url": spot_metadata}
     assert seen["deadline"] == 1893456000.0

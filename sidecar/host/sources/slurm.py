@@ -1,0 +1,210 @@
+"""Slurm time limits: the ``EndTime`` of the job(s) on this node, asked of slurmctld.
+
+With a job id (``--slurm-job-id``, else ``SLURM_JOB_ID`` in the daemon's environment, as
+when the daemon runs inside the job): ``scontrol show job -o <id>``. Without one: every
+running job on this node (``squeue -h -w <node> -t RUNNING,SUSPENDED``, the node named by
+``--slurm-node``, default the short host name), each one notice, the earliest the
+deadline: on a node shared by several jobs a guard then saves for the first job to end,
+early for the others, never late (give each job its own daemon with ``--slurm-job-id`` to
+avoid that). A time limit is a scheduled release: ``scontrol update JobId=.. TimeLimit=+5``
+moves ``EndTime`` later, which the poller serves as a renewal.
+
+Slurm prints local times without an offset (in the zone of the process that runs the
+client command, ``TZ`` included). The commands run here with ``TZ=UTC`` and
+``SLURM_TIME_FORMAT=standard``, so their times are UTC whatever the host's zone or the
+user's time format: nothing is guessed.
+
+Polled on the adaptive schedule with a 60 s base (``sidecar.host.schedule``): once a
+minute in the final 15 minutes, less often while the end is far (at most 60 scontrol
+calls per host-hour; docs/sources.md). Each command is bounded (``COMMAND_SECONDS``, its
+process killed after), so a slurmctld that is down or hangs costs one failed poll.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text
+from sidecar.models import KIND_SCHEDULED_RELEASE, Notice, observation_from_notices
+
+__all__ = ["SPEC", "SlurmConfig", "SlurmSource", "build", "parse_end_time", "parse_record",
+           "probe"]
+
+POLL_INTERVAL_SECONDS = 60.0  # the base of the adaptive schedule: at most once a minute
+COMMAND_SECONDS = 10.0  # one scontrol / squeue call, whole
+RUNNING_STATES = ("RUNNING", "SUSPENDED", "COMPLETING", "STOPPED")
+NO_END = ("Unknown", "None", "N/A", "UNLIMITED", "INFINITE", "NONE")
+# Where slurm.conf lives on Debian and in Slurm's default build, for auto's probe.
+CONFIG_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+                "/usr/local/etc/slurm.conf")
+
+Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
+
+
+def run_command(command: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
+    """One Slurm client command, its times in UTC, killed after ``seconds``."""
+    env = {**os.environ, "TZ": "UTC", "SLURM_TIME_FORMAT": "standard"}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds,
+                          check=False)
+
+
+def parse_record(text: str) -> dict[str, str]:
+    """``Name=value`` words of one ``scontrol show -o`` line (the first of each name)."""
+    fields: dict[str, str] = {}
+    for word in text.split():
+        name, sep, value = word.partition("=")
+        if sep and name and name not in fields:
+            fields[name] = value
+    return fields
+
+
+def parse_end_time(text: str) -> Optional[float]:
+    """A Slurm time printed under ``TZ=UTC`` as Unix seconds; None for no end (a job
+    without a time limit: ``Unknown``, ``UNLIMITED``...); ValueError for anything else."""
+    text = text.strip()
+    if text in NO_END:
+        return None
+    try:
+        moment = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        raise ValueError(f"unexpected end time {text[:40]!r}") from None
+    return moment.replace(tzinfo=timezone.utc).timestamp()
+
+
+class SlurmSource:
+    """The end of this node's Slurm job(s), from scontrol / squeue."""
+
+    name = "slurm"
+    poll_interval_seconds = POLL_INTERVAL_SECONDS
+
+    def __init__(self, job_id: Optional[str] = None, node: Optional[str] = None, *,
+                 command_seconds: float = COMMAND_SECONDS,
+                 run: Runner = run_command) -> None:
+        self.job_id = job_id
+        self.node = node or socket.gethostname().split(".")[0]
+        self._seconds = command_seconds
+        self._run = run
+        #: Client commands run (the cost per host-hour, docs/sources.md).
+        self.calls = 0
+
+    def poll(self) -> Observation:
+        if self.job_id is not None:
+            notices = self._job_notices(self.job_id)
+        else:
+            notices = self._node_notices()
+        return observation_from_notices(notices, instance_id=self.node)
+
+    def _job_notices(self, job_id: str) -> list[Notice]:
+        out = self._ask(["scontrol", "show", "job", "-o", job_id])
+        fields = parse_record(out)
+        if "JobId" not in fields:
+            raise SourceError(f"slurm: scontrol show job {job_id}: no JobId in the answer "
+                              f"{out.strip()[:60]!r}")
+        state = fields.get("JobState", "")
+        if state not in RUNNING_STATES:
+            return []  # pending or ended: no time limit runs on this node
+        return [self._notice(job_id, fields.get("EndTime", ""), fields.get("TimeLimit", ""),
+                             fields.get("Partition"))]
+
+    def _node_notices(self) -> list[Notice]:
+        out = self._ask(["squeue", "-h", "-w", self.node, "-t", ",".join(RUNNING_STATES),
+                         "-o", "%i %e %l %P"])
+        notices = []
+        for line in out.splitlines():
+            words = line.split()
+            if len(words) < 3:
+                raise SourceError(f"slurm: unexpected squeue line {line.strip()[:60]!r}")
+            notices.append(self._notice(words[0], words[1], words[2],
+                                        words[3] if len(words) > 3 else None))
+        return notices
+
+    def _notice(self, job_id: str, end: str, limit: str, partition: Optional[str]) -> Notice:
+        try:
+            end_unix = parse_end_time(end)
+        except ValueError as exc:
+            raise SourceError(f"slurm: job {job_id}: {exc}") from None
+        where = f" in {partition}" if partition else ""
+        if end_unix is None:
+            return Notice(KIND_SCHEDULED_RELEASE, None,
+                          detail=f"job {job_id}{where}: no time limit (TimeLimit={limit})")
+        return Notice(KIND_SCHEDULED_RELEASE, end_unix,
+                      detail=f"job {job_id}{where}: time limit {limit}")
+
+    def _ask(self, command: list[str]) -> str:
+        self.calls += 1
+        try:
+            done = self._run(command, self._seconds)
+        except FileNotFoundError:
+            raise SourceError(f"slurm: {command[0]} not found on PATH (install slurm-client)"
+                              ) from None
+        except subprocess.TimeoutExpired:
+            raise SourceError(f"slurm: {command[0]} gave no answer within {self._seconds:g} s "
+                              "(slurmctld overloaded or unreachable?)") from None
+        if done.returncode != 0:
+            said = (done.stderr.strip() or done.stdout.strip()).splitlines()
+            line = said[0][:200] if said else f"exit status {done.returncode}"
+            if "Invalid job id" in line:
+                raise SourceError(f"slurm: job {self.job_id} is not known to slurmctld (it "
+                                  "ended, or --slurm-job-id is wrong)")
+            if "Invalid node name" in line:
+                raise SourceError(f"slurm: node {self.node} is not in the cluster (set "
+                                  "--slurm-node to this host's Slurm node name)")
+            raise SourceError(f"slurm: {' '.join(command[:3])}: {line}")
+        return done.stdout
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    slurm_job_id: Optional[str]
+    slurm_node: Optional[str]
+
+
+def build(config: SlurmConfig, environ: Mapping[str, str] = os.environ) -> SlurmSource:
+    job_id = config.slurm_job_id or environ.get("SLURM_JOB_ID") or None
+    return SlurmSource(job_id, config.slurm_node or environ.get("SLURMD_NODENAME") or None)
+
+
+def probe(config: SlurmConfig, timeout: float, environ: Mapping[str, str] = os.environ
+          ) -> Optional[str]:
+    """None on a Slurm host: scontrol on PATH and a job id or a Slurm config (SLURM_CONF,
+    or slurm.conf in its usual places). Asks slurmctld nothing: a controller that is down
+    is the source's error to report, not a reason to leave it out."""
+    if shutil.which("scontrol") is None:
+        return "no Slurm here (scontrol not on PATH)"
+    if config.slurm_job_id or environ.get("SLURM_JOB_ID"):
+        return None
+    conf = environ.get("SLURM_CONF")
+    if conf and Path(conf).is_file():
+        return None
+    if any(Path(path).is_file() for path in CONFIG_PATHS):
+        return None
+    return "no Slurm job or config here (no SLURM_JOB_ID, SLURM_CONF or slurm.conf)"
+
+
+def _job_id(value: str) -> str:
+    value = parse_text(value)
+    if not value.replace("_", "").isdigit():
+        raise ValueError("must be a Slurm job id such as 1234 or 1234_5")
+    return value
+
+
+SPEC = SourceSpec(
+    name="slurm", config=SlurmConfig, build=build, probe=probe,
+    summary="Slurm job time limits",
+    traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS, adaptive=True),
+    options=(
+        Option("slurm_job_id", _job_id, "the Slurm job whose time limit is the deadline "
+               "(default: $SLURM_JOB_ID, else every job running on --slurm-node)", "ID"),
+        Option("slurm_node", parse_text, "this host's Slurm node name, for the slurm "
+               "source without a job id (default: the short host name)", "NAME"),
+    ),
+)
