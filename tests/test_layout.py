@@ -26,6 +26,7 @@ FRAMEWORKS = {
     "sidecar.integrations.verl": {"verl", "ray"},
     "sidecar.integrations.verl_trainer": {"verl", "ray"},
     "sidecar.integrations.ray_nodes": {"ray"},
+    "sidecar.integrations.ray_drain": {"ray"},
 }
 # The callback modules: their classes derive from the framework's base class (so IDEs and
 # mypy see them), so these two alone import their framework at their top (issue 21, item 8).

@@ -5,7 +5,9 @@ loopback; the controller runs on one of them. :class:`NodeDeadlines` places one 
 actor on every alive node (``num_cpus=0``, hard node affinity), asks each for its node's
 ``/v1/expiry`` in parallel, and answers like :class:`~sidecar.train.client.SidecarClient`
 (the guard takes either as its ``client``): the earliest deadline over all nodes, the
-slowest upload estimate, ``stale`` when any node did not answer.
+slowest upload estimate, ``stale`` when any node did not answer. With ``drain_within``,
+each node's own deadline is also handed to Ray as a drain once it is that close
+(:mod:`sidecar.integrations.ray_drain`), so Ray Train's preemption watcher sees it.
 
 A node that fails to answer (its daemon down, its actor dead, the node gone from the
 cluster) keeps its last good deadline in the MIN: a node that stops answering is still
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
+from sidecar.integrations.ray_drain import RayDrains
 from sidecar.models import Expiry
 from sidecar.train.client import DEFAULT_URL, SidecarClient
 
@@ -49,13 +52,18 @@ class NodeDeadlines:
 
     def __init__(self, url_for_node: Callable[[dict[str, Any]], str] = _default_url, *,
                  timeout: float = ASK_TIMEOUT_SECONDS,
+                 drain_within: Optional[float] = None,
                  clock: Callable[[], float] = time.time) -> None:
         """``url_for_node``: the daemon's URL as seen on a node (``ray.nodes()`` entry);
-        default ``http://127.0.0.1:8791`` on every node."""
+        default ``http://127.0.0.1:8791`` on every node. ``drain_within``: hand a node's
+        deadline to Ray as a drain (reason PREEMPTION) once it is this many seconds away,
+        and again whenever it moves; None (the default) never drains, since Ray cannot
+        undo a drain (docs/integrations.md, Ray)."""
         self._url_for_node = url_for_node
         self._timeout = timeout
         self._clock = clock
         self._nodes: dict[str, _Node] = {}
+        self.drains = None if drain_within is None else RayDrains(drain_within, clock=clock)
         self.last_error: Optional[str] = None
 
     @property
@@ -90,6 +98,9 @@ class NodeDeadlines:
                 node.known = answer
             elif not answer.stale:
                 node.known = None  # the daemon says, freshly: nothing scheduled there
+        if self.drains is not None:
+            for node in self._nodes.values():  # a silent node's kept deadline counts too
+                self.drains.update(node.node_id, node.address, node.known)
         self.last_error = "; ".join(errors) or None
         candidates = [node.known for node in self._nodes.values() if node.known is not None]
         if not answered and not candidates:
