@@ -486,6 +486,8 @@ class CheckpointGuard:
             typical_step_seconds=vote.typical_step_seconds,
         )
         self._drill.decided(vote, decision, agreed=reduce)
+        if reduce and decision.rearmed:  # a renewal: the old cover holds no new work
+            policy.forget_cover()
         remaining = vote.remaining_seconds
         verdict = decision, None if remaining is None else now_unix + remaining
         if collective:

@@ -121,6 +121,9 @@ class PolicyDecision:
     # The deadline already passed with no save made for it: this save is a best effort
     # on borrowed time (it may be cut; the previous checkpoint stays valid).
     best_effort: bool = False
+    # The deadline moved beyond what the saves made for it cover (a renewal): the cover is
+    # for a deadline that no longer holds; the guard forgets it (SavePolicy.forget_cover).
+    rearmed: bool = False
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -385,6 +388,21 @@ class SavePolicy:
             return None
         return max(covers) - now_unix
 
+    def forget_cover(self) -> None:
+        """The deadline the saves were made for moved beyond their cover (a renewal; the
+        guard calls this on the decision that says so, :attr:`PolicyDecision.rearmed`).
+
+        What they cover stays true of their checkpoints, but the loop trains on now: a
+        deadline that later comes back within that cover (a SIGTERM soon after a
+        renewal, the release brought forward again) finds work no save holds, and must
+        get a save of its own instead of counting as covered (and, after a top-up, stopping
+        at once without one: found on a real Slurm job, ``scontrol update TimeLimit=+5``
+        then a preemption).
+        """
+        self._cover_until_unix = None
+        self._fresh_cover_until_unix = None
+        self._after_final = math.inf
+
     def steps_after_final(self) -> float:
         """Steps trained since the final save, -1 once the top-up save after it was made,
         ``inf`` before any final save. Exposed so that the guard can reduce it across
@@ -458,6 +476,8 @@ class SavePolicy:
 
         def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False,
                      too_late: bool = False, best_effort: bool = False) -> PolicyDecision:
+            rearmed = (covered_seconds is not None and remaining_seconds is not None
+                       and not covered)
             return PolicyDecision(
                 save_now=save_now,
                 stop=stop,
@@ -470,8 +490,10 @@ class SavePolicy:
                 top_up=top_up,
                 too_late=too_late,
                 best_effort=best_effort,
+                rearmed=rearmed,
             )
 
+        covered = False
         if remaining_seconds is None:
             return decision(False, False, "no deadline known")
         covered = covered_seconds is not None and (

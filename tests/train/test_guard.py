@@ -782,3 +782,36 @@ def test_while_the_deadline_is_far_the_ranks_reduce_on_a_schedule_they_all_compu
     learned = min(step for step in reduced_at[0] if step > 60)
     assert learned <= 61 + MAX_SKIP_SECONDS, reduced_at
     assert saves[0] == [70], (saves, reduced_at[0][8:])
+
+
+def test_a_deadline_back_inside_the_old_cover_after_a_renewal_gets_its_own_save() -> None:
+    # Found on a real Slurm job: the final save, a renewal (TimeLimit=+5), training on,
+    # then a deadline back within the old save's cover (a preemption's SIGTERM soon after
+    # the renewal). The training since the renewal is in no checkpoint: save, not stop.
+    now = time.time()
+    wall = [now]
+    monotonic = FakeMonotonic()
+    with static_daemon(now + 200, poll_interval=3600) as daemon:
+        guard = simple_guard(
+            SidecarClient(daemon.url),
+            policy=SavePolicy(save_seconds=100.0, top_up_seconds=None),
+            clock=lambda: wall[0],
+            monotonic=monotonic,
+        )
+        guard.record_step(1.0)
+        assert guard.should_save()
+        with guard.saving():
+            pass
+        assert guard.should_stop()  # covered until about now + 221 s (+ 120 s to re-arm)
+
+        daemon.store.record_success("static", Observation(expires_at_unix=now + 7400))
+        monotonic.advance(1.0)
+        assert guard.should_stop() is False  # renewed: training goes on
+        for _ in range(5):
+            guard.record_step(1.0)
+            wall[0] += 2.0
+            assert guard.should_save() is False
+
+        daemon.store.record_success("static", Observation(expires_at_unix=wall[0] + 100))
+        monotonic.advance(1.0)
+        assert guard.should_save() is True, guard.status()
