@@ -44,6 +44,7 @@ from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, ju
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
+from sidecar.train.step_time import LoopTimer
 from sidecar.train.upload_time import UploadTime
 from sidecar.train.vote import (
     MAX_SKIP_SECONDS,
@@ -168,6 +169,7 @@ class CheckpointGuard:
         self.policy = policy if policy is not None else SavePolicy()
         self._clock = clock
         self._monotonic = monotonic
+        self._loop = LoopTimer(monotonic)  # what step() records: the pass, not the span
         self.wait_for_release = wait_for_release
         self.released = False  # should_stop() returned True because the release came
         self.sigterm: Optional[SigtermDeadline] = None
@@ -230,10 +232,16 @@ class CheckpointGuard:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Time one training step. A step that raises is not recorded."""
+        """Time one training step. A step that raises is not recorded.
+
+        What is recorded is the pass of the loop that this step ends: the time since the
+        previous step ended (data loading and the decisions included), less the saves and
+        the wait for the release in between; the first step, its own span
+        (:mod:`sidecar.train.step_time`).
+        """
         started = self._monotonic()
         yield
-        self.policy.record_step(max(0.0, self._monotonic() - started))
+        self.policy.record_step(self._loop.step_done(started))
 
     @contextmanager
     def saving(self, step: Optional[int] = None) -> Iterator[None]:
@@ -321,6 +329,7 @@ class CheckpointGuard:
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
         self._last_saved = DurableCheckpoint(step, started_unix)
+        self._loop.pause(seconds)  # a save is not a step
         self._events.send("save-finished", step=step, seconds=seconds, save=save_kind(asked),
                           asynchronous=True if committed is not None else None,
                           remaining_seconds=None if deadline_unix is None
@@ -413,8 +422,10 @@ class CheckpointGuard:
             self._events.send("stop", released=True, reason="SIGTERM received and the "
                               "checkpoint saved")
             return True
+        waited_from = self._monotonic()
         released = self._release.wait(verdict, refresh_seconds=self._tracker.refresh_seconds,
                                       decide=self._agree, follow=self._durability.follow)
+        self._loop.pause(self._monotonic() - waited_from)  # nor is the wait
         if released:
             self.released = True
         else:  # training resumes: the rule re-arms, the next final save is followed

@@ -9,7 +9,9 @@ What this module does better than the seed in verl
 
 - ``T_max_step`` is a statistic ("max", "p95" or "p99") over a sliding window of the most
   recent steps, not the running max since start: one slow warm-up step (compilation,
-  data-loader start) no longer inflates the budget for the whole run.
+  data-loader start) no longer inflates the budget for the whole run. A step is the time
+  the loop takes from one decision to the next (``sidecar.train.step_time``), not only
+  the span of the training step: the rule budgets the wait for the next decision.
 - ``T_save`` follows measured saves instead of a fixed 60 s (see :meth:`SavePolicy.save_estimate`).
 - It saves ONCE per deadline. The seed stays true for every step inside the window and
   saves again and again, each save eating into the time left. Here a save made for a
@@ -251,7 +253,8 @@ class SavePolicy:
     # ------------------------------------------------------------------ measurements
 
     def record_step(self, seconds: float) -> None:
-        """Add one measured training step (its duration, not counting saves).
+        """Add one measured training step: one pass of the loop between two decisions
+        (data loading included), not counting saves.
 
         Also ends the cover that the last save had only for having nothing unsaved after
         it (see :meth:`record_save`).
