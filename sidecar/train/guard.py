@@ -36,11 +36,11 @@ from typing import Callable, Optional, TypeVar
 
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
+from sidecar.train.decision_notes import DecisionNotes
 from sidecar.train.drill import DrillFollower
 from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents, save_kind
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
-from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, judge_one
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
@@ -107,6 +107,32 @@ class GuardStatus:
     # The top-up save after the final one (SavePolicy.top_up_seconds), followed the same way.
     top_up_step: Optional[int] = None
     top_up_durable_at_unix: Optional[float] = None
+
+    @classmethod
+    def of(cls, decision: PolicyDecision, deadline: Optional[float], source: Optional[str],
+           tracker: DeadlineTracker, durability: DurabilityFollower,
+           last_error: Optional[str]) -> GuardStatus:
+        """The status of ``decision`` on ``deadline`` (from ``source``)."""
+        final, top_up = durability.final, durability.top_up
+        return cls(
+            remaining_seconds=decision.remaining_seconds,
+            budget_seconds=decision.budget_seconds,
+            step_seconds=decision.step_seconds,
+            save_seconds=decision.save_seconds,
+            deadline_unix=deadline,
+            deadline_source=source,
+            daemon_reachable=tracker.reachable,
+            save_now=decision.save_now,
+            stop=decision.stop,
+            reason=decision.reason,
+            last_error=last_error,
+            upload_seconds=tracker.upload_seconds,
+            upload_status=tracker.upload_status,
+            final_step=final.step,
+            final_durable_at_unix=final.durable_unix,
+            top_up_step=top_up.step,
+            top_up_durable_at_unix=top_up.durable_unix,
+        )
 
 
 
@@ -193,9 +219,7 @@ class CheckpointGuard:
         self._last_save_decision: Optional[PolicyDecision] = None  # should_save()'s
         self._stopping = False  # the last should_stop() said stop
         self._warned_internal = False
-        self._said_too_late: Optional[float] = None
-        self._protection = SaidOnce(logger)  # the SIGTERM grace's verdict, once per change
-        self._last_saved: Optional[DurableCheckpoint] = None  # the state it holds, when
+        self._notes = DecisionNotes(logger, self._events)
 
     @property
     def client(self) -> SidecarClient:
@@ -328,7 +352,7 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
-        self._last_saved = DurableCheckpoint(step, started_unix)
+        self._notes.saved(step, started_unix)
         self._loop.pause(seconds)  # a save is not a step
         self._events.send("save-finished", step=step, seconds=seconds, save=save_kind(asked),
                           asynchronous=True if committed is not None else None,
@@ -375,20 +399,8 @@ class CheckpointGuard:
         """Save now? At most once per deadline. Collective when a reducer is set."""
         decision, deadline = self._agree()
         self._last_save_decision = decision
-        if decision.save_now:
-            logger.log(logging.WARNING if decision.best_effort else logging.INFO, "%s now: %s",
-                       "top-up checkpoint" if decision.top_up else "checkpoint", decision.reason)
-        elif decision.too_late and self._said_too_late != deadline:
-            self._said_too_late = deadline  # once per deadline
-            logger.warning("no checkpoint for this release: %s", decision.reason)
-            self._events.send("too-late", reason=decision.reason,
-                              remaining_seconds=decision.remaining_seconds)
-        self._events.step_estimate(decision)
-        if self.sigterm is not None:  # does the grace hold a save? (issue 24, item 2)
-            self._protection.say(judge_one(
-                "SIGTERM", self.sigterm.grace_seconds, JobFigures(
-                    decision.step_seconds, decision.save_seconds, self._upload.seconds()),
-                self._last_saved, self._clock()))
+        self._notes.decided(decision, deadline, self.sigterm, self._upload.seconds(),
+                            self._clock())
         return decision.save_now
 
     def should_stop(self) -> bool:
@@ -449,26 +461,8 @@ class CheckpointGuard:
         deadline, source = self._tracker.deadline(refresh=False)
         deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source)
         deadline, source = with_sigterm(self.sigterm, deadline, source)
-        final, top_up = self._durability.final, self._durability.top_up
-        return GuardStatus(
-            remaining_seconds=decision.remaining_seconds,
-            budget_seconds=decision.budget_seconds,
-            step_seconds=decision.step_seconds,
-            save_seconds=decision.save_seconds,
-            deadline_unix=deadline,
-            deadline_source=source,
-            daemon_reachable=self._tracker.reachable,
-            save_now=decision.save_now,
-            stop=decision.stop,
-            reason=decision.reason,
-            last_error=self.last_error,
-            upload_seconds=self._tracker.upload_seconds,
-            upload_status=self._tracker.upload_status,
-            final_step=final.step,
-            final_durable_at_unix=final.durable_unix,
-            top_up_step=top_up.step,
-            top_up_durable_at_unix=top_up.durable_unix,
-        )
+        return GuardStatus.of(decision, deadline, source, self._tracker, self._durability,
+                              self.last_error)
 
     def _agree(self) -> Verdict:
         """The collective decision, kept as the one the next save is recorded for."""
