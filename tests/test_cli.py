@@ -154,11 +154,12 @@ def test_status_lists_every_notice_and_the_sources_auto_left_out(unused_port: in
     assert "advice" in notices[2] and "rebalance recommended" in notices[2]
     assert "sources: aws" in lines
     skipped = lines[lines.index("not on this machine:") + 1:]
-    assert [line.split()[0] for line in skipped] == ["aws-capacity-block", "azure", "gcp",
+    assert [line.split()[0] for line in skipped] == ["aws-capacity-block", "azure", "gcp", "slurm",
                                                      "volcengine-esi", "volcengine-events",
                                                      "volcengine-spot"]
     assert "no AWS credentials" in skipped[0]
-    assert all("cannot connect" in line for line in skipped[1:])
+    assert "no Slurm" in skipped[3]
+    assert all("cannot connect" in line for line in skipped[1:3] + skipped[4:])
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
