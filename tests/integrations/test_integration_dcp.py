@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rank_launcher import base_environment, run_ranks
+from upload_support import wait_for
 
 from sidecar.checkpoint.folders import MANIFEST_NAME, latest_valid, list_checkpoints
+from sidecar.host.upload.uploader import Uploader, UploaderConfig
+from sidecar.host.upload.volume import VolumeDestination
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.frameworks
@@ -122,3 +126,59 @@ def test_the_guards_final_async_save_counts_only_once_committed(tmp_path: Path) 
     newest = latest_valid(tmp_path / "ckpt")
     assert newest is not None and newest.step == steps[0]
     assert (newest.path / MANIFEST_NAME).is_file()
+
+
+def test_the_uploader_sends_each_rank_s_shard_while_the_save_is_held_and_commits_after(
+    tmp_path: Path,
+) -> None:
+    """Streaming through DCP (issue 23, item 1): both ranks' shards reach the volume's
+    hidden staging while rank 0's final step (``.metadata``, then the commit) is held;
+    nothing is visible there until the commit, and then the checkpoint is complete."""
+    root, volume, release = tmp_path / "ckpt", tmp_path / "volume", tmp_path / "release"
+    root.mkdir()
+    volume.mkdir()
+    config = UploaderConfig(root=root, location=None, scan_interval_seconds=0.2,
+                            settle_seconds=0.2, backoff_base_seconds=0.05,
+                            backoff_cap_seconds=0.3)
+    uploader = Uploader(config, destination=VolumeDestination(volume, None))
+
+    def staged() -> set[str]:
+        return {path.name for path in volume.glob(".tmp-*/*") if path.is_file()}
+
+    def visible() -> list[str]:
+        return sorted(path.name for path in volume.iterdir() if not path.name.startswith("."))
+
+    outcome: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            outcome["results"] = run_scenario(tmp_path, "stream", release=str(release))
+        except BaseException as error:  # reported by the test's thread below
+            outcome["error"] = error
+
+    uploader.start()
+    ranks = threading.Thread(target=save)
+    try:
+        ranks.start()
+        wait_for(lambda: {"__0_0.distcp", "__1_0.distcp"} <= staged() or "error" in outcome,
+                 timeout=60)
+        assert "error" not in outcome, outcome
+        assert visible() == []  # the shards went ahead; the checkpoint is not visible
+        assert ".metadata" not in staged() and MANIFEST_NAME not in staged()
+        release.touch()
+        ranks.join(timeout=120)
+        assert not ranks.is_alive() and "error" not in outcome, outcome
+        wait_for(lambda: latest_valid(volume, verify_checksums=True, clean=False) is not None,
+                 timeout=60)
+    finally:
+        release.touch()
+        ranks.join(timeout=120)
+        uploader.stop(timeout=5)
+    durable = latest_valid(volume, verify_checksums=True, clean=False)
+    assert durable is not None and durable.step == 1
+    names = {f.path for f in durable.files}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= names
+    assert names == set(outcome["results"][0]["committed"]["files"])
+    for name in names:
+        assert (volume / durable.name / name).read_bytes() == \
+            (root / durable.name / name).read_bytes(), name

@@ -244,8 +244,27 @@ def scenario_guard(config: dict[str, Any], result: dict[str, Any]) -> None:
                               "async_write": guard.async_write_estimate()}
 
 
+def scenario_stream(config: dict[str, Any], result: dict[str, Any]) -> None:
+    """One async save held before its commit until the test creates ``config["release"]``
+    (the test watches the uploader send the shards meanwhile), then committed."""
+    root = Path(config["root"])
+    release = Path(config["release"])
+    model, optimizer = make_model(0)
+    state = TrainState(model, optimizer)
+    train(model, optimizer, 1)
+    state.step = 1
+    ckpt = DistributedCheckpoint(root, checksum=True,
+                                 writer=lambda path: GatedWriter(path, release, False))
+    ckpt.async_save({"train": state}, 1)
+    committed = ckpt.wait(timeout=90)
+    assert committed is not None
+    result["committed"] = {"name": committed.name,
+                           "files": sorted(f.path for f in committed.files)}
+
+
 SCENARIOS = {"commit": scenario_commit, "fault": scenario_fault,
-             "unshared": scenario_unshared, "guard": scenario_guard}
+             "unshared": scenario_unshared, "guard": scenario_guard,
+             "stream": scenario_stream}
 
 
 def main() -> None:
