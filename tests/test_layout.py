@@ -34,7 +34,7 @@ CALLBACK_MODULES = {
     "sidecar.integrations.transformers": {"transformers"},
     "sidecar.integrations.lightning": {"lightning", "pytorch_lightning"},
 }
-SHARED = ("sidecar.models", "sidecar.timeparse")
+SHARED = ("sidecar.models", "sidecar.timeparse", "sidecar.slurmtext")
 HOST_SOURCE_NEEDS = ("sidecar.host.sources", *SHARED)
 
 
@@ -110,7 +110,7 @@ def test_the_tree_has_the_three_sides() -> None:
         assert package in MODULES, package
     flat = sorted(m for m in MODULES if m.count(".") == 1 and not _is_package(m))
     # Beside the three groups only the shared modules and the entry point live at the top.
-    assert flat == ["sidecar.cli", "sidecar.models", "sidecar.timeparse"]
+    assert flat == ["sidecar.cli", "sidecar.models", "sidecar.slurmtext", "sidecar.timeparse"]
 
 
 def _is_package(module: str) -> bool:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
+from sidecar.slurmtext import RUNNING_STATES, parse_end_time, parse_record, run_command
 from sidecar.train.sigterm import SigtermDeadline
 
 __all__ = ["ASK_SECONDS", "COMMAND_SECONDS", "SlurmDeadline", "job_rank", "with_slurm"]
@@ -38,8 +39,6 @@ logger = logging.getLogger("sidecar.train.guard")
 
 ASK_SECONDS = 60.0  # at most one scontrol call a minute per job
 COMMAND_SECONDS = 10.0
-_RUNNING = ("RUNNING", "SUSPENDED", "COMPLETING", "STOPPED")
-_NO_END = ("Unknown", "None", "N/A", "UNLIMITED", "INFINITE", "NONE")
 
 
 def job_rank(environ: Mapping[str, str]) -> int:
@@ -52,35 +51,13 @@ def job_rank(environ: Mapping[str, str]) -> int:
     return 0
 
 
-def _fields(text: str) -> dict[str, str]:
-    fields: dict[str, str] = {}
-    for word in text.split():
-        name, sep, value = word.partition("=")
-        if sep and name and name not in fields:
-            fields[name] = value
-    return fields
-
-
-def _utc(text: str) -> Optional[float]:
-    """A time scontrol printed under TZ=UTC; None for no end; ValueError otherwise."""
-    if text in _NO_END:
-        return None
-    moment = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
-    return moment.replace(tzinfo=timezone.utc).timestamp()
-
-
-def _run(command: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TZ": "UTC", "SLURM_TIME_FORMAT": "standard"}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds,
-                          check=False)
-
-
 class SlurmDeadline:
     """The end of Slurm job ``job_id`` as last read; :meth:`deadline` never waits."""
 
     def __init__(self, job_id: str, *, ask_seconds: float = ASK_SECONDS,
                  command_seconds: float = COMMAND_SECONDS,
-                 run: Callable[[list[str], float], subprocess.CompletedProcess[str]] = _run,
+                 run: Callable[[list[str], float], subprocess.CompletedProcess[str]]
+                 = run_command,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.job_id = job_id
         self.ask_seconds = ask_seconds
@@ -138,11 +115,11 @@ class SlurmDeadline:
     def ask(self) -> None:
         """Ask slurmctld once (in the calling thread); never raises."""
         try:
-            fields = _fields(self._scontrol("show", "job", "-o", self.job_id))
+            fields = parse_record(self._scontrol("show", "job", "-o", self.job_id))
             if "JobId" not in fields:
                 raise ValueError("no JobId in scontrol's answer")
-            end = _utc(fields.get("EndTime", "")) if fields.get("JobState") in _RUNNING \
-                else self._end
+            running = fields.get("JobState") in RUNNING_STATES
+            end = parse_end_time(fields.get("EndTime", "")) if running else self._end
             if not self._asked_partition and fields.get("Partition"):
                 self._asked_partition = True
                 self._read_grace(fields["Partition"])
@@ -159,8 +136,8 @@ class SlurmDeadline:
 
     def _read_grace(self, partition: str) -> None:
         try:
-            grace = _fields(self._scontrol("show", "partition", "-o", partition)
-                            ).get("GraceTime", "")
+            grace = parse_record(self._scontrol("show", "partition", "-o", partition)
+                                 ).get("GraceTime", "")
         except (OSError, subprocess.SubprocessError, ValueError):
             return  # the time limit matters more; GraceTime is a refinement
         if grace.isdigit() and int(grace) > 0:

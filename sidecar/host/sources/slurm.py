@@ -28,56 +28,24 @@ import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text
 from sidecar.models import KIND_SCHEDULED_RELEASE, Notice, observation_from_notices
+from sidecar.slurmtext import RUNNING_STATES, parse_end_time, parse_record, run_command
 
 __all__ = ["SPEC", "SlurmConfig", "SlurmSource", "build", "parse_end_time", "parse_record",
            "probe"]
 
 POLL_INTERVAL_SECONDS = 60.0  # the base of the adaptive schedule: at most once a minute
 COMMAND_SECONDS = 10.0  # one scontrol / squeue call, whole
-RUNNING_STATES = ("RUNNING", "SUSPENDED", "COMPLETING", "STOPPED")
-NO_END = ("Unknown", "None", "N/A", "UNLIMITED", "INFINITE", "NONE")
 # Where slurm.conf lives on Debian and in Slurm's default build, for auto's probe.
 CONFIG_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
                 "/usr/local/etc/slurm.conf")
 
 Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
-
-
-def run_command(command: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
-    """One Slurm client command, its times in UTC, killed after ``seconds``."""
-    env = {**os.environ, "TZ": "UTC", "SLURM_TIME_FORMAT": "standard"}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds,
-                          check=False)
-
-
-def parse_record(text: str) -> dict[str, str]:
-    """``Name=value`` words of one ``scontrol show -o`` line (the first of each name)."""
-    fields: dict[str, str] = {}
-    for word in text.split():
-        name, sep, value = word.partition("=")
-        if sep and name and name not in fields:
-            fields[name] = value
-    return fields
-
-
-def parse_end_time(text: str) -> Optional[float]:
-    """A Slurm time printed under ``TZ=UTC`` as Unix seconds; None for no end (a job
-    without a time limit: ``Unknown``, ``UNLIMITED``...); ValueError for anything else."""
-    text = text.strip()
-    if text in NO_END:
-        return None
-    try:
-        moment = datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
-    except ValueError:
-        raise ValueError(f"unexpected end time {text[:40]!r}") from None
-    return moment.replace(tzinfo=timezone.utc).timestamp()
 
 
 class SlurmSource:

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, Optional, Protocol
 
 from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry, Invalid, open_listed
@@ -28,8 +29,10 @@ __all__ = [
     "DurableFile",
     "StagedFile",
     "Staging",
+    "StagingDestination",
     "StatKey",
     "complete",
+    "durable_entries",
     "hash_file",
     "mismatch",
     "stat_key",
@@ -196,3 +199,42 @@ def complete(staging: Staging, info: CheckpointInfo, manifest: bytes, *,
             reason = mismatch(entry, staged, current_key(info.path, entry.path))
     before_manifest()
     staging.finish(info, manifest)
+
+
+def durable_entries(name: str, info: CheckpointInfo) -> dict[str, DurableFile]:
+    """The files of the durable checkpoint ``name`` (its manifest read as ``info``) whose
+    sha256 the manifest records: those an unchanged file may reuse."""
+    return {entry.path: DurableFile(name, entry.size, entry.sha256)
+            for entry in info.files if entry.sha256}
+
+
+class StagingDestination:
+    """The commit both destinations share: ``upload`` through the :class:`Staging` their
+    ``open_staging`` gives (the volume's hidden folder, S3's multipart uploads)."""
+
+    def open_staging(self, name: str) -> Staging:
+        raise NotImplementedError
+
+    def upload(
+        self,
+        info: CheckpointInfo,
+        manifest: bytes,
+        *,
+        on_progress: Callable[[int], None],
+        should_stop: Callable[[], Optional[str]],
+        before_manifest: Callable[[], None],
+        staging: Optional[Staging] = None,
+        durable: Mapping[str, DurableFile] = MappingProxyType({}),
+    ) -> None:
+        """Commit ``info``: the files ``staging`` holds already (sent while the save wrote
+        them) are checked against the manifest, the others sent or taken from a durable
+        checkpoint (linked on the volume, copied server-side on S3), the staging finished
+        (on S3: completed and checked with HeadObject) and the manifest written last
+        (:func:`complete`). On any failure everything staged is discarded."""
+        staged = staging if staging is not None else self.open_staging(info.name)
+        try:
+            complete(staged, info, manifest, durable=durable, on_progress=on_progress,
+                     should_stop=should_stop, before_manifest=before_manifest)
+        except BaseException:
+            staged.discard()
+            raise

@@ -15,9 +15,8 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from boto3.s3.transfer import create_transfer_manager
@@ -30,7 +29,7 @@ from sidecar.checkpoint.manifest import (
     open_listed,
     read_manifest,
 )
-from sidecar.host.upload.commit_check import DurableFile, Staging, complete
+from sidecar.host.upload.commit_check import DurableFile, StagingDestination, durable_entries
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_stage import S3Staging, read_remote_manifest, verify_sizes
 from sidecar.host.upload.storage import (
@@ -234,7 +233,7 @@ def download_files(
     _run_transfers(client, storage, submit, on_progress, should_stop)
 
 
-class S3Destination:
+class S3Destination(StagingDestination):
     """The uploader's destination in S3 / TOS (a ``VolumeDestination`` is the other kind):
     one boto3 client, made on first use and again after a failure."""
 
@@ -297,30 +296,7 @@ class S3Destination:
             info = parse_manifest(raw, Path(name))
         except Invalid:
             return {}
-        return {entry.path: DurableFile(name, entry.size, entry.sha256)
-                for entry in info.files if entry.sha256}
-
-    def upload(
-        self,
-        info: CheckpointInfo,
-        manifest: bytes,
-        *,
-        on_progress: Callable[[int], None],
-        should_stop: Callable[[], Optional[str]],
-        before_manifest: Callable[[], None],
-        staging: Optional[Staging] = None,
-        durable: Mapping[str, DurableFile] = MappingProxyType({}),
-    ) -> None:
-        """Commit ``info``: the files ``staging`` holds already (sent while the save wrote
-        them) are checked against the manifest, the others sent or copied server-side,
-        then completed, checked (HeadObject) and the manifest written last."""
-        staged = staging if staging is not None else self.open_staging(info.name)
-        try:
-            complete(staged, info, manifest, durable=durable, on_progress=on_progress,
-                     should_stop=should_stop, before_manifest=before_manifest)
-        except BaseException:
-            staged.discard()
-            raise
+        return durable_entries(name, info)
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
         return describe_error(exc, self.storage, doing)

@@ -18,10 +18,9 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Callable, Optional
 
 from sidecar.checkpoint.durable import replace_atomically
@@ -37,7 +36,7 @@ from sidecar.checkpoint.manifest import (
     open_listed,
     read_manifest,
 )
-from sidecar.host.upload.commit_check import DurableFile, Staging, complete
+from sidecar.host.upload.commit_check import DurableFile, StagingDestination, durable_entries
 from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
 from sidecar.host.upload.volume_stage import (
     Cancelled,
@@ -201,7 +200,7 @@ def describe_os_error(exc: BaseException, doing: str, where: Path) -> str:
 
 
 @dataclass
-class VolumeDestination:
+class VolumeDestination(StagingDestination):
     """The uploader's destination on a mounted volume (see the module's docstring). Before
     a copy counts as durable, the folder proves it is still the volume it was
     (:mod:`sidecar.host.upload.identity`)."""
@@ -253,30 +252,7 @@ class VolumeDestination:
             info = read_manifest(self.root / name)
         except Invalid:
             return {}
-        return {entry.path: DurableFile(name, entry.size, entry.sha256)
-                for entry in info.files if entry.sha256}
-
-    def upload(
-        self,
-        info: CheckpointInfo,
-        manifest: bytes,
-        *,
-        on_progress: Callable[[int], None],
-        should_stop: Callable[[], Optional[str]],
-        before_manifest: Callable[[], None],
-        staging: Optional[Staging] = None,
-        durable: Mapping[str, DurableFile] = MappingProxyType({}),
-    ) -> None:
-        """Commit ``info``: the files ``staging`` holds already (sent while the save wrote
-        them) are checked against the manifest, the others sent or linked, the manifest
-        written last (``commit_check.complete``)."""
-        staged = staging if staging is not None else self.open_staging(info.name)
-        try:
-            complete(staged, info, manifest, durable=durable, on_progress=on_progress,
-                     should_stop=should_stop, before_manifest=before_manifest)
-        except BaseException:
-            staged.discard()
-            raise
+        return durable_entries(name, info)
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
         if isinstance(exc, NotTheVolume):

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Optional
-from urllib.parse import quote
+
+from sidecar.tools.emulator.hmac_v4 import derived_key, quote_unreserved, signature
 
 __all__ = [
     "ALGORITHM",
@@ -65,11 +66,6 @@ class Credentials:
     session_token: Optional[str] = None
 
 
-def _quote(text: str) -> str:
-    # RFC 3986 unreserved characters stay as they are; everything else is %XX (UTF-8).
-    return quote(text, safe="-_.~")
-
-
 def canonical_query(pairs: Sequence[tuple[str, str]]) -> str:
     """Sorted, RFC 3986-quoted ``key=value`` pairs joined by ``&``.
 
@@ -78,16 +74,14 @@ def canonical_query(pairs: Sequence[tuple[str, str]]) -> str:
     last: dict[str, str] = {}
     for key, value in pairs:
         last[key] = value
-    quoted = sorted((_quote(key), _quote(value)) for key, value in last.items())
+    quoted = sorted((quote_unreserved(key), quote_unreserved(value))
+                    for key, value in last.items())
     return "&".join(f"{key}={value}" for key, value in quoted)
 
 
 def signing_key(secret_key: str, date: str, region: str, service: str) -> bytes:
     """The per-day, per-region, per-service key derived from the secret key."""
-    key = secret_key.encode("utf-8")
-    for part in (date, region, service, "request"):
-        key = hmac.new(key, part.encode("utf-8"), hashlib.sha256).digest()
-    return key
+    return derived_key(secret_key.encode("utf-8"), (date, region, service, "request"))
 
 
 def _host_value(value: str) -> str:
@@ -111,23 +105,11 @@ def _signature(
     region: str,
     service: str,
 ) -> str:
-    header_lines = "".join(f"{name}:{headers[name]}\n" for name in signed_names)
-    canonical = "\n".join(
-        [
-            method.upper(),
-            path or "/",
-            canonical_query(query),
-            header_lines,
-            ";".join(signed_names),
-            body_sha256,
-        ]
-    )
-    scope = f"{x_date[:8]}/{region}/{service}/request"
-    to_sign = "\n".join(
-        [ALGORITHM, x_date, scope, hashlib.sha256(canonical.encode("utf-8")).hexdigest()]
-    )
-    key = signing_key(secret_key, x_date[:8], region, service)
-    return hmac.new(key, to_sign.encode("utf-8"), hashlib.sha256).hexdigest()
+    return signature(
+        algorithm=ALGORITHM, key=signing_key(secret_key, x_date[:8], region, service),
+        method=method, path=path, canonical_query=canonical_query(query), headers=headers,
+        signed_names=signed_names, body_sha256=body_sha256, timestamp=x_date,
+        scope=f"{x_date[:8]}/{region}/{service}/request")
 
 
 def _lower_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Optional
-from urllib.parse import quote
+
+from sidecar.tools.emulator.hmac_v4 import derived_key, quote_unreserved, signature
 
 __all__ = ["ALGORITHM", "MAX_CLOCK_SKEW_SECONDS", "AwsCredentials", "SigV4Error", "verify"]
 
@@ -56,19 +57,9 @@ class AwsCredentials:
     session_token: Optional[str] = None
 
 
-def _quote(text: str) -> str:
-    return quote(text, safe="-_.~")
-
-
 def _canonical_query(pairs: Sequence[tuple[str, str]]) -> str:
-    return "&".join(f"{k}={v}" for k, v in sorted((_quote(k), _quote(v)) for k, v in pairs))
-
-
-def _signing_key(secret_key: str, date: str, region: str, service: str) -> bytes:
-    key = ("AWS4" + secret_key).encode("utf-8")
-    for part in (date, region, service, "aws4_request"):
-        key = hmac.new(key, part.encode("utf-8"), hashlib.sha256).digest()
-    return key
+    quoted = sorted((quote_unreserved(k), quote_unreserved(v)) for k, v in pairs)
+    return "&".join(f"{k}={v}" for k, v in quoted)
 
 
 def _header_value(headers: Any, name: str) -> Optional[str]:
@@ -114,17 +105,17 @@ def verify(credentials: AwsCredentials, *, method: str, path: str,
             _header_value(headers, "X-Amz-Security-Token") != credentials.session_token
             or "x-amz-security-token" not in names):
         raise SigV4Error(401, "AuthFailure", _AUTH_FAILURE)
-    lines = []
+    values = {}
     for name in names:
         value = _header_value(headers, name)
         if value is None:
             raise SigV4Error(401, "AuthFailure", f"signed header {name!r} is missing")
-        lines.append(f"{name}:{value}\n")
-    canonical = "\n".join([method.upper(), path or "/", _canonical_query(query), "".join(lines),
-                           ";".join(names), hashlib.sha256(body).hexdigest()])
-    to_sign = "\n".join([ALGORITHM, amz_date, scope,
-                         hashlib.sha256(canonical.encode("utf-8")).hexdigest()])
-    key = _signing_key(credentials.secret_key, date, region, service)
-    expected = hmac.new(key, to_sign.encode("utf-8"), hashlib.sha256).hexdigest()
+        values[name] = value
+    key = derived_key(("AWS4" + credentials.secret_key).encode("utf-8"),
+                      (date, region, service, "aws4_request"))
+    expected = signature(algorithm=ALGORITHM, key=key, method=method, path=path,
+                         canonical_query=_canonical_query(query), headers=values,
+                         signed_names=names, body_sha256=hashlib.sha256(body).hexdigest(),
+                         timestamp=amz_date, scope=scope)
     if not hmac.compare_digest(expected, match["signature"]):
         raise SigV4Error(401, "AuthFailure", _AUTH_FAILURE)
