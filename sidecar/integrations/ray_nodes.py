@@ -8,6 +8,7 @@ actor on every alive node (``num_cpus=0``, hard node affinity), asks each for it
 slowest upload estimate, ``stale`` when any node did not answer. With ``drain_within``,
 each node's own deadline is also handed to Ray as a drain once it is that close
 (:mod:`sidecar.integrations.ray_drain`), so Ray Train's preemption watcher sees it.
+The job's events go to every node's daemon, and a fire drill on any node is the job's.
 
 A node that fails to answer (its daemon down, its actor dead, the node gone from the
 cluster) keeps its last good deadline in the MIN: a node that stops answering is still
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -110,9 +112,21 @@ class NodeDeadlines:
             chosen = answered[0]
         uploads = [e.upload_seconds for e in (*answered, *candidates)
                    if e.upload_seconds is not None]
+        # A drill on any node is the job's drill: the earliest one answered (as
+        # SidecarClient.expiry chooses among several daemons).
+        drills = [e.drill for e in answered if e.drill is not None]
         return replace(chosen, stale=chosen.stale or bool(errors),
                        error=self.last_error or chosen.error,
-                       upload_seconds=max(uploads) if uploads else None)
+                       upload_seconds=max(uploads) if uploads else None,
+                       drill=min(drills, key=lambda d: d["expires_at_unix"]) if drills else None)
+
+    def send_event(self, event: Mapping[str, Any]) -> None:
+        """A job event for every node's daemon (through its actor), without waiting: the
+        controller's job is every node's, and a drill started on each node is reported to
+        each (docs/drill.md). Never raises."""
+        for node in list(self._nodes.values()):
+            with contextlib.suppress(Exception):  # a dead actor: its node is gone
+                node.actor.send_event.remote(dict(event))
 
     def is_durable(self, step: int) -> Optional[bool]:
         """Unknown across nodes (None): the guard then follows no upload."""
@@ -183,6 +197,9 @@ def _actor_class() -> Any:
                 answer = self._client.expiry()
                 body = None if answer is None else answer.to_json()
                 return body, self._client.last_error, ray.get_runtime_context().get_node_id()
+
+            def send_event(self, event: dict[str, Any]) -> None:
+                self._client.send_event(event)  # queued; its thread posts it
 
         _ACTOR = NodeDaemon
     return _ACTOR

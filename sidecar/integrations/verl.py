@@ -27,7 +27,9 @@ and stays True at every step inside the window (verl then saves at each of those
 as it does today), and False while ``max_steps_duration`` is 0 (before verl measured a
 step): verl's rule for ``MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP``. Its
 ``SAGEMAKER_...`` branch also says True after the deadline and with no step measured; this
-function does not (a save that starts after the release is lost).
+function does not (a save that starts after the release is lost). A fire drill
+(docs/drill.md) is the one exception to statelessness: True once, then training goes on
+(``sidecar.integrations.verl_drill``).
 
 verl's single controller decides for every node, so point ``ESI_SIDECAR_URL`` at every
 node's daemon (comma-separated): the earliest deadline wins, and a node whose daemon stops
@@ -46,6 +48,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
+from sidecar.integrations.verl_drill import VerlDrill
 from sidecar.train.client import DEFAULT_TIMEOUT_SECONDS, SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import DEFAULT_SAVE_SECONDS, check_seconds, verl_rule
@@ -71,6 +74,7 @@ VERL_FUNCTION = "should_save_ckpt_esi"
 _cache_lock = threading.Lock()
 _cache: Optional[DeadlineTracker] = None
 _warned_internal = False
+_drill: Optional[VerlDrill] = None  # the fire drill followed for the tracker in _cache
 
 
 def configure(
@@ -119,6 +123,14 @@ def _current_cache() -> DeadlineTracker:
     return cache
 
 
+def _drill_for(cache: DeadlineTracker) -> VerlDrill:
+    global _drill
+    with _cache_lock:
+        if _drill is None or _drill.tracker is not cache:
+            _drill = VerlDrill(cache)
+        return _drill
+
+
 def should_save_ckpt_esi(
     max_steps_duration: float,
     save_ckpt_duration: float = DEFAULT_SAVE_SECONDS,
@@ -141,12 +153,15 @@ def should_save_ckpt_esi(
     try:
         cache = _current_cache()
         deadline, _source = cache.deadline()
-        if deadline is None:
-            return False
         # With the daemon's uploader, a save counts once durable: local save + upload.
         save_seconds = float(save_ckpt_duration) + (cache.upload_seconds or 0.0)
-        return verl_rule(deadline - cache.clock(), float(max_steps_duration), save_seconds,
-                         float(redundant_time))
+        if deadline is not None and verl_rule(deadline - cache.clock(),
+                                              float(max_steps_duration), save_seconds,
+                                              float(redundant_time)):
+            return True
+        # A fire drill (docs/drill.md): one save through verl's own, and training goes on.
+        return _drill_for(cache).answer(float(max_steps_duration), save_seconds,
+                                        float(redundant_time))
     except Exception:
         if not _warned_internal:
             _warned_internal = True

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_harness import serve_daemon, wait_for
 from rank_launcher import base_environment, run_ranks
-from upload_support import wait_for
 
 from sidecar.checkpoint.folders import MANIFEST_NAME, latest_valid, list_checkpoints
 from sidecar.host.upload.uploader import Uploader, UploaderConfig
@@ -182,3 +183,24 @@ def test_the_uploader_sends_each_rank_s_shard_while_the_save_is_held_and_commits
     for name in names:
         assert (volume / durable.name / name).read_bytes() == \
             (root / durable.name / name).read_bytes(), name
+
+
+def test_a_fire_drill_is_saved_for_by_every_rank_through_dcp_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Two gloo ranks against the real daemon: the drill's checkpoint is written through
+    DCP at the same step on every rank and committed, the daemon records PASS, no rank
+    stops, and both train on past the verdict."""
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        # The budget + 5 s: while the deadline is far, the ranks vote at most 5 s apart.
+        results = run_scenario(tmp_path, "drill", url=daemon.url, lead=8.0)
+    (verdict,) = results[0]["verdicts"]
+    assert verdict["verdict"] == "PASS", verdict
+    (saved_at,) = {tuple(r["saved_at"]) for r in results}  # the same steps on every rank
+    assert saved_at == (verdict["figures"]["step"],)
+    for r in results:
+        assert r["stopped"] is False and r["last_step"] > saved_at[0], r
+    newest = latest_valid(tmp_path / "ckpt")
+    assert newest is not None and newest.step == saved_at[0]
+    assert newest.metadata["world_size"] == 2

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from drill_support import DrillScript
 from rank_launcher import base_environment, free_port, run_framework_ranks, run_ranks
 
 import sidecar.integrations.distributed as distributed
@@ -462,3 +463,40 @@ def test_two_processes_agree_with_a_policy_given_before_fit(tmp_path: Path) -> N
         assert r["saves"] == 1 and r["stopped"] is True and r["global_step"] == 1
     assert results[0]["path"] == results[1]["path"]
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["esi-epoch=0-step=1.ckpt"]
+
+
+def test_a_fire_drill_saves_through_lightnings_save_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A drill served by the real daemon: the callback saves through
+    ``trainer.save_checkpoint``, the daemon records PASS, and fit() trains on (no stop)."""
+    from sidecar.integrations.lightning import EsiCheckpointCallback
+
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        script = DrillScript(daemon.url, lead=4.0)
+
+        class Pace(pl.Callback):
+            """Steps of 50 ms (the model's take microseconds); the drill's script."""
+
+            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+                time.sleep(0.05)  # the training step itself
+
+            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+                if script.at_step(trainer.global_step):
+                    trainer.should_stop = True  # the test's end, not the guard's
+
+        callback = EsiCheckpointCallback(
+            tmp_path / "ckpt",
+            policy=SavePolicy(save_seconds=0.5, redundant_seconds=1.0, top_up_seconds=None),
+            client=SidecarClient(daemon.url), refresh_seconds=0.05, environ={})
+        trainer = make_trainer(tmp_path, 2000, [callback, Pace()])
+        torch.manual_seed(0)
+        trainer.fit(TinyModule(), train_dataloaders=loader())
+    assert script.passed(), script.verdicts
+    step = script.verdicts[0]["figures"]["step"]
+    assert callback.saves == 1 and callback.stopped is False
+    saved = latest_checkpoint(tmp_path / "ckpt")
+    assert saved is not None and checkpoint_step(saved) == step
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [saved.name]  # no partial
+    assert trainer.global_step == script.end_step > step  # trained on past the drill

@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from drill_support import DrillScript
 
 from sidecar.tools.emulator import Emulator
 from sidecar.train.guard import CheckpointGuard
@@ -123,5 +125,38 @@ def test_the_earliest_node_wins_a_move_is_seen_and_a_dead_daemon_keeps_its_deadl
         said = [r for r in caplog.records if "still counts" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in caplog.records]
         assert guard.should_save() is True  # the node released first is still honoured
+    finally:
+        deadlines.close()
+
+
+def test_a_fire_drill_on_every_node_is_saved_for_once_and_each_daemon_records_pass(
+        cluster: Any, nodes: list[tuple[Emulator, Any, Any]]) -> None:
+    """``esi-sidecar drill --url A --url B --url C`` on a job whose controller asks every
+    node through Ray: its events reach every node's daemon (so each sees the job), the
+    drill is saved for once, every daemon records PASS, and training goes on."""
+    from sidecar.integrations.ray_nodes import NodeDeadlines
+    from sidecar.train.policy import SavePolicy
+
+    deadlines = NodeDeadlines(url_for(nodes))
+    try:
+        wait_for(lambda: (answer := deadlines.expiry()) is not None and not answer.stale,
+                 timeout=60)
+        guard = CheckpointGuard(deadlines, environ={}, refresh_seconds=0.05,  # type: ignore[arg-type]
+                                policy=SavePolicy(save_seconds=0.5, redundant_seconds=1.0,
+                                                  top_up_seconds=None))
+        script = DrillScript(*(daemon.url for _emu, daemon, _stop in nodes), lead=6.0)
+        saves: list[int] = []
+        for step in range(1, 3000):
+            with guard.step():
+                time.sleep(0.05)  # the training step itself
+            if guard.should_save():
+                with guard.saving(step):
+                    saves.append(step)
+            assert guard.should_stop() is False
+            if script.at_step(step):
+                break
+        assert script.passed(), script.verdicts
+        assert {v["figures"]["step"] for v in script.verdicts} == set(saves)
+        assert len(saves) == 1 and step == script.end_step > saves[0]
     finally:
         deadlines.close()

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from drill_support import DrillScript
 from rank_launcher import run_framework_ranks
 
 from sidecar.train.client import SidecarClient
@@ -295,3 +296,55 @@ def test_latest_complete_checkpoint_skips_interrupted_saves(
     assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-9")
     assert latest_complete_checkpoint(tmp_path) == str(good)
     assert caplog.text.count("skipping") == 3
+
+
+def test_a_fire_drill_saves_through_the_trainers_own_save_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A drill served by the real daemon: the Trainer writes checkpoint-N through its own
+    save, the daemon records PASS, and training goes on in the same process (no stop)."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from sidecar.integrations.transformers import EsiCheckpointCallback
+
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        script = DrillScript(daemon.url, lead=4.0)
+
+        class Pace(TrainerCallback):  # type: ignore[misc]
+            """Steps of 50 ms (the model's take microseconds); the drill's script."""
+
+            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                time.sleep(0.05)  # the training step itself
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                if script.at_step(state.global_step):
+                    control.should_training_stop = True  # the test's end, not the guard's
+
+        callback = EsiCheckpointCallback(
+            policy=SavePolicy(save_seconds=0.5, redundant_seconds=1.0, top_up_seconds=None),
+            client=SidecarClient(daemon.url), refresh_seconds=0.05, environ={})
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(
+            GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="no",
+            eval_strategy="no", logging_strategy="no", disable_tqdm=True, max_steps=2000,
+            per_device_train_batch_size=2, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(),
+                          callbacks=[callback, Pace()])
+        trainer.train()
+    assert script.passed(), script.verdicts
+    step = script.verdicts[0]["figures"]["step"]
+    assert callback.saves_requested == 1 and callback.stopped is False
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"checkpoint-{step}"]
+    state = json.loads((tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json")
+                       .read_text())
+    assert state["global_step"] == step
+    assert trainer.state.global_step == script.end_step > step  # trained on past the drill

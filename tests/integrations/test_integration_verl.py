@@ -11,9 +11,11 @@ import inspect
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from drill_support import DrillScript
 
 from sidecar.integrations import verl as esi_verl
 from sidecar.integrations.verl import configure, should_save_ckpt_esi
@@ -250,3 +252,33 @@ def test_install_is_importable_by_dotted_path() -> None:
 
     module_name, _, function = "sidecar.integrations.verl.install".rpartition(".")
     assert getattr(importlib.import_module(module_name), function) is esi_verl.install
+
+
+def test_a_fire_drill_makes_verl_save_once_through_its_own_save_and_train_on(
+        tmp_path: Path) -> None:
+    """verl's loop as ray_trainer runs it (the drop-in after every step, then its own
+    ``_save_checkpoint`` on True): one save for the drill, PASS on the daemon, training
+    goes on to the end."""
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        configure(daemon.url, refresh_seconds=0.05, environ={})
+        script = DrillScript(daemon.url, lead=4.0)
+        saves: list[int] = []
+        max_steps_duration = 0.0
+        for step in range(1, 2000):
+            started = time.monotonic()
+            time.sleep(0.05)  # the step itself
+            max_steps_duration = max(max_steps_duration, time.monotonic() - started)
+            if should_save_ckpt_esi(max_steps_duration=max_steps_duration,
+                                    save_ckpt_duration=0.5, redundant_time=1.0):
+                folder = tmp_path / f"global_step_{step}"  # verl's _save_checkpoint
+                folder.mkdir()
+                (folder / "model.pt").write_bytes(b"weights")
+                saves.append(step)
+            if script.at_step(step):
+                break
+    assert script.passed(), script.verdicts
+    figures = script.verdicts[0]["figures"]
+    assert len(saves) == 1 and step == script.end_step > saves[0]
+    assert figures["outcome"] == "durable" and 0 < figures["lead_seconds"] < 4.0
+    assert figures["budget_seconds"] > 1.5  # verl's rule: step + save + redundant

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from daemon_harness import serve_daemon, wait_for
+from drill_support import job_heard, start_drill, verdict
 
 from sidecar.integrations.verl import should_save_ckpt_esi
 
@@ -271,3 +272,35 @@ def test_with_verls_save_freq_no_step_is_saved_twice(monkeypatch: pytest.MonkeyP
     # A save inside the rule's window (a save_freq one counts) covers this release.
     assert "saved for this deadline" in answer["reason"]
     assert answer["steps_run"][-1] <= saves[-1] + 1, answer
+
+
+def test_a_fire_drill_in_verls_v1_loop_saves_once_and_the_loop_runs_to_its_end() -> None:
+    """verl 0.9.1's own fit() and step() (stub workers, steps of 0.1 s, saves of 0.2 s):
+    a drill served by the real daemon is saved for once through the trainer's
+    ``_save_checkpoint``, the daemon records PASS, and the loop trains on to its last step."""
+    wheel("0.9.1")
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() + 3600)) as daemon:
+        wait_for(lambda: daemon.store.health().ok)
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / "tests/integrations/verl_wheels/v1_loop.py"), "80",
+             "0.1", "0.2", "0", "install-first"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(wheel("0.9.1")), str(REPO)]),
+                 "ESI_SIDECAR_URL": daemon.url})
+        try:
+            assert process.stdout is not None and process.stdin is not None
+            assert process.stdout.readline().strip() == "READY"
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            wait_for(lambda: job_heard(daemon.url), timeout=30, interval=0.05)
+            drill = start_drill(daemon.url, 5.0)
+            out, err = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        decided = wait_for(lambda: verdict(daemon.url, drill["id"]), timeout=10)
+    assert process.returncode == 0, err[-3000:]
+    answer = json.loads(out.strip().splitlines()[-1])
+    assert decided["verdict"] == "PASS", (decided, err[-2000:])
+    assert answer["saves"] == [decided["figures"]["step"]], answer
+    assert answer["released"] is False and answer["steps_run"][-1] == 80, answer

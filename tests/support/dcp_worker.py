@@ -262,9 +262,44 @@ def scenario_stream(config: dict[str, Any], result: dict[str, Any]) -> None:
                            "files": sorted(f.path for f in committed.files)}
 
 
+def scenario_drill(config: dict[str, Any], result: dict[str, Any]) -> None:
+    """A fire drill from the real daemon: every rank saves for it through DCP (async, it
+    counts once committed), none stops, and training goes on past the verdict."""
+    from drill_support import DrillScript
+
+    root = Path(config["root"])
+    rank = dist.get_rank()
+    guard = distributed_guard(
+        client=SidecarClient(config["url"]), environ={}, refresh_seconds=0.05,
+        policy=SavePolicy(save_seconds=1.0, redundant_seconds=1.0, top_up_seconds=None))
+    script = DrillScript(config["url"], lead=float(config["lead"]))
+    model, optimizer = make_model(0)
+    state = TrainState(model, optimizer)
+    ckpt = DistributedCheckpoint(root, guard=guard)
+    saved_at: list[int] = []
+    stopped = False
+    while True:
+        with guard.step():
+            train(model, optimizer, state.step)
+            time.sleep(0.05)
+        state.step += 1
+        if guard.should_save():
+            ckpt.async_save({"train": state}, state.step)
+            saved_at.append(state.step)
+        stopped = stopped or guard.should_stop()
+        # Rank 0 runs the drill and says when the test ends; every rank leaves together.
+        done = torch.tensor([1 if rank == 0 and script.at_step(state.step) else 0])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            break
+    ckpt.wait(timeout=60)
+    result.update(saved_at=saved_at, last_step=state.step, stopped=stopped,
+                  verdicts=script.verdicts)
+
+
 SCENARIOS = {"commit": scenario_commit, "fault": scenario_fault,
              "unshared": scenario_unshared, "guard": scenario_guard,
-             "stream": scenario_stream}
+             "stream": scenario_stream, "drill": scenario_drill}
 
 
 def main() -> None:

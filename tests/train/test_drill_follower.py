@@ -4,13 +4,11 @@ drill wins; a lead that cannot hold a save starts none and reports why."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from daemon_harness import get_json, wait_for
+from daemon_harness import wait_for
+from drill_support import job_heard, start_drill, verdict
 from guard_support import (  # noqa: F401  (clean_environment: a fixture)
     ThreadAllReduce,
     clean_environment,
@@ -23,26 +21,6 @@ from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
 STEP_SECONDS = 0.05
-
-
-def start_drill(url: str, seconds: float) -> dict[str, Any]:
-    request = urllib.request.Request(url + "/v1/drill", method="POST",
-                                     data=json.dumps({"in_seconds": seconds}).encode())
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return dict(json.loads(response.read()))
-    except urllib.error.HTTPError as exc:
-        with exc:
-            raise AssertionError(exc.read().decode()) from None
-
-
-def job_heard(url: str) -> bool:
-    return bool(get_json(url + "/v1/events?limit=0")[1]["jobs"])
-
-
-def verdict(url: str, drill_id: str) -> Any:
-    drills = get_json(url + "/v1/drill")[1]["drills"]
-    return next((d for d in drills if d["id"] == drill_id and d["result"]), None)
 
 
 def policy() -> SavePolicy:
