@@ -238,7 +238,7 @@ class CheckpointGuard:
         self._stopping = False  # the last should_stop() said stop
         self._warned_internal = False
         self._notes = DecisionNotes(logger, self._events)
-        self._routine = RoutineSaves.asking(self.client, self.policy.routine_seconds, logger,
+        self._routine = RoutineSaves.asking(self._tracker, self.policy.routine_seconds, logger,
                                             monotonic)
 
     @property

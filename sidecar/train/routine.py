@@ -212,13 +212,21 @@ class RoutineSaves:
         self.plan: Optional[RoutinePlan] = None
 
     @classmethod
-    def asking(cls, client: object, setting: Setting, logger: logging.Logger,
+    def asking(cls, tracker: object, setting: Setting, logger: logging.Logger,
                monotonic: Callable[[], float]) -> RoutineSaves:
-        """Asking ``client``'s :meth:`~SidecarClient.source_notices` and
-        :meth:`~SidecarClient.machine_lives` (a stand-in client without them: no notices)."""
+        """Asking the :class:`~sidecar.train.deadline.DeadlineTracker`'s client
+        (:meth:`~SidecarClient.source_notices`, :meth:`~SidecarClient.machine_lives`), and
+        only while its daemon answers, so a hung daemon costs no more timeouts than it
+        does already (a stand-in client without them: no notices)."""
+        client = getattr(tracker, "client", None)
+
+        def while_reachable(name: str) -> Callable[[], object]:
+            ask = daemon_asker(client, name)
+            return lambda: ask() if getattr(tracker, "reachable", False) else None
+
         return cls(setting, logger, monotonic=monotonic,
-                   notices=daemon_asker(client, "source_notices"),  # type: ignore[arg-type]
-                   machine_lives=daemon_asker(client, "machine_lives"))  # type: ignore[arg-type]
+                   notices=while_reachable("source_notices"),  # type: ignore[arg-type]
+                   machine_lives=while_reachable("machine_lives"))  # type: ignore[arg-type]
 
     def saved(self, started_unix: float) -> None:
         """A save (of any kind) started at ``started_unix``: the interval restarts."""
