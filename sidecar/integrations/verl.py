@@ -52,6 +52,8 @@ from sidecar.integrations.verl_drill import VerlDrill
 from sidecar.train.client import DEFAULT_TIMEOUT_SECONDS, SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import DEFAULT_SAVE_SECONDS, check_seconds, verl_rule
+from sidecar.train.protection import JobFigures
+from sidecar.train.routine import AUTO, RoutineSaves, check_routine
 
 __all__ = [
     "VERL_FUNCTION",
@@ -73,6 +75,7 @@ VERL_FUNCTION = "should_save_ckpt_esi"
 # (one DeadlineTracker for both); the environment is read at every call, as verl does.
 _cache_lock = threading.Lock()
 _cache: Optional[DeadlineTracker] = None
+_routine: list[Optional[RoutineSaves]] = [None]  # with the cache (configure)
 _warned_internal = False
 _drill: Optional[VerlDrill] = None  # the fire drill followed for the tracker in _cache
 
@@ -86,8 +89,14 @@ def configure(
     clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
     environ: Optional[Mapping[str, str]] = None,
+    routine_seconds: Union[str, float, None] = AUTO,
 ) -> None:
     """Set where :func:`should_save_ckpt_esi` asks and how often (optional).
+
+    ``routine_seconds``: as :class:`~sidecar.train.policy.SavePolicy`'s. ``"auto"``
+    (default): while a running source's notice is shorter than the step + save + upload,
+    the function also answers True every Young/Daly interval (``sidecar.train.routine``),
+    counted from the last True it gave (verl's own ``save_freq`` saves are not seen).
 
     Without a call, the first :func:`should_save_ckpt_esi` uses ``$ESI_SIDECAR_URL``
     (default ``http://127.0.0.1:8791``) and the defaults here. ``environ`` defaults to
@@ -97,6 +106,7 @@ def configure(
     global _cache
     refresh_seconds = check_seconds("refresh_seconds", refresh_seconds)
     retry_seconds = check_seconds("retry_seconds", retry_seconds)
+    routine_seconds = check_routine(routine_seconds)
     tracker = DeadlineTracker(
         SidecarClient(url, timeout=timeout),
         refresh_seconds=refresh_seconds,
@@ -106,8 +116,10 @@ def configure(
         environ=environ,
         live_environ=True,
     )
+    routine = RoutineSaves.asking(tracker, routine_seconds, logger, monotonic)
     with _cache_lock:
         old, _cache = _cache, tracker
+        _routine[0] = routine
     if old is not None:
         old.client.close()
 
@@ -153,15 +165,34 @@ def should_save_ckpt_esi(
     try:
         cache = _current_cache()
         deadline, _source = cache.deadline()
+        now = cache.clock()
         # With the daemon's uploader, a save counts once durable: local save + upload.
         save_seconds = float(save_ckpt_duration) + (cache.upload_seconds or 0.0)
-        if deadline is not None and verl_rule(deadline - cache.clock(),
-                                              float(max_steps_duration), save_seconds,
-                                              float(redundant_time)):
+        routine = _routine[0]
+        if deadline is not None and verl_rule(deadline - now, float(max_steps_duration),
+                                              save_seconds, float(redundant_time)):
+            if routine is not None:
+                routine.saved(now)
             return True
         # A fire drill (docs/drill.md): one save through verl's own, and training goes on.
-        return _drill_for(cache).answer(float(max_steps_duration), save_seconds,
-                                        float(redundant_time))
+        if _drill_for(cache).answer(float(max_steps_duration), save_seconds,
+                                    float(redundant_time)):
+            if routine is not None:
+                routine.saved(now)
+            return True
+        if routine is None or float(max_steps_duration) <= 0 or (
+                deadline is not None and deadline <= now):
+            return False
+        # No notice holds a save: a routine one at the Young/Daly interval (verl saves when
+        # this answers True and its save_freq > 0).
+        overdue = routine.overdue(now, JobFigures(float(max_steps_duration),
+                                                  float(save_ckpt_duration),
+                                                  cache.upload_seconds))
+        if overdue is None or overdue < 0:
+            return False
+        logger.info("routine checkpoint now: no notice holds a save")
+        routine.saved(now)
+        return True
     except Exception:
         if not _warned_internal:
             _warned_internal = True

@@ -34,6 +34,8 @@ DEFAULT_URL = f"http://{DEFAULT_LISTEN}"
 DEFAULT_TIMEOUT_SECONDS = 0.2
 ENV_URL = "ESI_SIDECAR_URL"
 UPLOADS_PATH = "/v1/uploads?limit=0"  # the summary only: last_durable_step
+PROTECTION_PATH = "/v1/protection"  # each running source's notice (routine saves)
+RECLAIMS_PATH = "/v1/reclaims"  # the releases the daemon accounted (routine saves)
 
 
 # ---------------------------------------------------------------------------- HTTP client
@@ -292,6 +294,56 @@ class SidecarClient:
         if any(durable is None for durable in steps):
             return False
         return min(durable for durable in steps if durable is not None) >= step
+
+    def _bodies(self, path: str, key: str) -> Optional[list[Mapping[str, Any]]]:
+        """The ``key`` list of every daemon's ``path``; None when none answered it. A
+        daemon without the route (an older one) is no error: ``last_error`` is left alone."""
+        items: list[Mapping[str, Any]] = []
+        answered = False
+        for endpoint in self._endpoints:
+            try:
+                body = endpoint.get_json(path)
+            except Exception:
+                continue
+            listed = body.get(key) if isinstance(body, dict) else None
+            if isinstance(listed, list):
+                answered = True
+                items.extend(item for item in listed if isinstance(item, Mapping))
+        return items if answered else None
+
+    def source_notices(self) -> Optional[dict[str, Optional[float]]]:
+        """Each running source's notice in seconds (None: a time known far ahead), from
+        ``GET /v1/protection`` on every daemon (the shortest per source); None when no
+        daemon answered it. Never raises."""
+        sources = self._bodies(PROTECTION_PATH, "sources")
+        if sources is None:
+            return None
+        notices: dict[str, Optional[float]] = {}
+        for item in sources:
+            name, notice = item.get("source"), item.get("notice_seconds")
+            if not isinstance(name, str) or isinstance(notice, bool) or not (
+                    notice is None or (isinstance(notice, (int, float)) and notice > 0)):
+                continue
+            known = notices.get(name)
+            if notice is None:
+                notices.setdefault(name, None)
+            else:  # a short notice on any node is the job's
+                notices[name] = float(notice) if known is None else min(known, float(notice))
+        return notices
+
+    def machine_lives(self) -> Optional[list[float]]:
+        """How long each machine the daemons saw released had run its job (seconds), from
+        ``GET /v1/reclaims``; None when no daemon answered it. Never raises."""
+        reclaims = self._bodies(RECLAIMS_PATH, "reclaims")
+        if reclaims is None:
+            return None
+        lives = []
+        for item in reclaims:
+            started, released = item.get("started_unix"), item.get("released_unix")
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   for v in (started, released)):
+                lives.append(float(released) - float(started))  # type: ignore[arg-type]
+        return lives
 
     def send_event(self, event: Mapping[str, Any]) -> None:
         """Queue a job event for this node's daemon (``POST /v1/events``) and return at

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, TypeVar
 
 from sidecar.train.client import SidecarClient
@@ -41,7 +41,9 @@ from sidecar.train.drill import DrillFollower
 from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents, save_kind
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
+from sidecar.train.protection import JobFigures
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
+from sidecar.train.routine import RoutinePlan, RoutineSaves
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
 from sidecar.train.step_time import LoopTimer
@@ -107,11 +109,15 @@ class GuardStatus:
     # The top-up save after the final one (SavePolicy.top_up_seconds), followed the same way.
     top_up_step: Optional[int] = None
     top_up_durable_at_unix: Optional[float] = None
+    # Routine saves (SavePolicy.routine_seconds): their interval now (None: none), and
+    # what a reclaim would cost, in a line.
+    routine_seconds: Optional[float] = None
+    routine_note: Optional[str] = None
 
     @classmethod
     def of(cls, decision: PolicyDecision, deadline: Optional[float], source: Optional[str],
            tracker: DeadlineTracker, durability: DurabilityFollower,
-           last_error: Optional[str]) -> GuardStatus:
+           last_error: Optional[str], routine: Optional[RoutinePlan] = None) -> GuardStatus:
         """The status of ``decision`` on ``deadline`` (from ``source``)."""
         final, top_up = durability.final, durability.top_up
         return cls(
@@ -132,7 +138,19 @@ class GuardStatus:
             final_durable_at_unix=final.durable_unix,
             top_up_step=top_up.step,
             top_up_durable_at_unix=top_up.durable_unix,
+            routine_seconds=None if routine is None else routine.interval_seconds,
+            routine_note=None if routine is None else routine.line,
         )
+
+
+def with_routine(decision: PolicyDecision, overdue: Optional[float]) -> PolicyDecision:
+    """``decision``, asking a routine save when one is due (``overdue`` >= 0) and the rule
+    itself neither saves, stops, trains towards a top-up nor met a release too close."""
+    if overdue is None or overdue < 0 or decision.save_now or decision.stop or (
+            decision.top_up or decision.too_late):
+        return decision
+    return replace(decision, save_now=True, routine=True, reason=f"{decision.reason}; "
+                   "routine save: no notice holds a save (SavePolicy.routine_seconds)")
 
 
 
@@ -220,6 +238,8 @@ class CheckpointGuard:
         self._stopping = False  # the last should_stop() said stop
         self._warned_internal = False
         self._notes = DecisionNotes(logger, self._events)
+        self._routine = RoutineSaves.asking(self._tracker, self.policy.routine_seconds, logger,
+                                            monotonic)
 
     @property
     def client(self) -> SidecarClient:
@@ -349,6 +369,8 @@ class CheckpointGuard:
         # known, or while it was far, is not the final save: SavePolicy.record_save).
         asked = self._last_save_decision
         budget = None if asked is None else asked.budget_seconds
+        self._routine.saved(started_unix)  # any save restarts the routine interval
+        rule = None if asked is None or asked.routine else asked  # the rule's own save
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
         )
@@ -358,10 +380,10 @@ class CheckpointGuard:
                           asynchronous=True if committed is not None else None,
                           remaining_seconds=None if deadline_unix is None
                           else deadline_unix - self._clock())
-        if asked is not None and asked.save_now:  # the save the rule asked for
+        if rule is not None and rule.save_now:  # the save the rule asked for
             self._durability.saved(step=step, deadline_unix=deadline_unix,
-                                   top_up=asked.top_up, committed=committed)
-        self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=asked)
+                                   top_up=rule.top_up, committed=committed)
+        self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=rule)
 
     def state_dict(self) -> dict[str, object]:
         """What the guard learned, plain JSON, to keep in the checkpoint (step and save
@@ -462,7 +484,7 @@ class CheckpointGuard:
         deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source)
         deadline, source = with_sigterm(self.sigterm, deadline, source)
         return GuardStatus.of(decision, deadline, source, self._tracker, self._durability,
-                              self.last_error)
+                              self.last_error, self._routine.plan)
 
     def _agree(self) -> Verdict:
         """The collective decision, kept as the one the next save is recorded for."""
@@ -491,6 +513,7 @@ class CheckpointGuard:
             typical_step_seconds=vote.typical_step_seconds,
         )
         self._drill.decided(vote, decision, agreed=reduce)
+        decision = with_routine(decision, vote.routine_overdue_seconds)
         if reduce and decision.rearmed:  # a renewal: the old cover holds no new work
             policy.forget_cover()
         remaining = vote.remaining_seconds
@@ -524,6 +547,9 @@ class CheckpointGuard:
             else -1.0,
             typical_step_seconds=policy.typical_step_estimate(),
             drill_seconds=None if drill is None else drill - now_unix,
+            routine_overdue_seconds=self._routine.overdue(now_unix, JobFigures(
+                policy.step_estimate(), policy.save_estimate(), self._upload.seconds()),
+                self.sigterm, self._notes.last_saved) if self._vote.drills else None,
         )
 
     def _sigterm_deadline(self) -> Optional[float]:

@@ -70,7 +70,7 @@ class JobEvents:
 
 def save_kind(asked: Optional[PolicyDecision]) -> str:
     """What a save made now is for, as the guard follows it: the decision that asked."""
-    if asked is None or not asked.save_now:
+    if asked is None or not asked.save_now or asked.routine:
         return "routine"
     return "top-up" if asked.top_up else "final"
 

@@ -62,7 +62,9 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
+
+from sidecar.train.routine import check_routine
 
 __all__ = [
     "DEFAULT_REDUNDANT_SECONDS",
@@ -126,6 +128,9 @@ class PolicyDecision:
     # The deadline moved beyond what the saves made for it cover (a renewal): the cover is
     # for a deadline that no longer holds; the guard forgets it (SavePolicy.forget_cover).
     rearmed: bool = False
+    # A routine save (sidecar.train.routine): no notice holds a save, so the guard asks
+    # one at the Young/Daly interval; it is never the final save and disarms nothing.
+    routine: bool = False
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -209,6 +214,11 @@ class SavePolicy:
       instead, in case the deadline moves). A short notice (30 s) is the usual case.
       Once the deadline has passed with no save made for it, the machine runs on
       borrowed time: one best-effort save is always asked, then stop.
+    - ``routine_seconds``: routine saves, asked by the guard through the same save path
+      (``sidecar.train.routine``). ``"auto"`` (default): only while a running source's
+      notice (or the SIGTERM grace) is shorter than step + save + upload, every
+      sqrt(2 x save x mean time between reclaims); a number: every that many seconds,
+      always; None: never (the behaviour before). Any save restarts the interval.
 
     Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
     so failing at construction is better than a wrong decision hours later.
@@ -222,6 +232,7 @@ class SavePolicy:
     save_window: int = 5
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
     try_late_saves: bool = False
+    routine_seconds: Union[str, float, None] = "auto"
 
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)
@@ -247,6 +258,7 @@ class SavePolicy:
         self.save_margin = margin
         if self.top_up_seconds is not None:
             self.top_up_seconds = check_seconds("top_up_seconds", self.top_up_seconds)
+        self.routine_seconds = check_routine(self.routine_seconds)
         self._steps = deque(maxlen=self.window)
         self._saves = deque(maxlen=self.save_window)
 

@@ -46,6 +46,7 @@ UNKNOWN_SAVE = -1.0  # MAX: a save measured on any rank (often rank 0) wins
 UNKNOWN_COVERED = -math.inf  # MAX: a save made on any rank covers everyone
 UNKNOWN_UPLOAD = -1.0  # MAX: the slowest node's upload counts
 UNKNOWN_AFTER_FINAL = math.inf  # MIN: the ranks that recorded the saves count
+UNKNOWN_ROUTINE = -math.inf  # MAX: a routine save due on any rank is made on every rank
 
 # Scheduled reduction: when the deadline is far, the ranks agree at most this long (and
 # this many decisions) apart instead of at every step.
@@ -117,6 +118,8 @@ class Vote:
     steps_after_final: Optional[float] = vote_field(MIN, UNKNOWN_AFTER_FINAL)  # -1: topped up
     typical_step_seconds: Optional[float] = vote_field(MAX, UNKNOWN_STEP)
     drill_seconds: Optional[float] = vote_field(MIN, UNKNOWN_REMAINING)  # a drill's (drill.py)
+    # How far past due a routine save is (routine.py; negative: not yet).
+    routine_overdue_seconds: Optional[float] = vote_field(MAX, UNKNOWN_ROUTINE)
 
     @classmethod
     def table(cls) -> tuple[VoteField, ...]:
@@ -152,15 +155,18 @@ class Vote:
 class SevenFloatReducer:
     """The old reducer protocol (seven positional floats), adapted to the list one.
 
-    The drill's number (the eighth) cannot travel through it: a guard with such a reducer
-    follows no drill (``CollectiveVote.drills``), so the slot is always "unknown"."""
+    The numbers past the seventh (the drill's, the routine save's) cannot travel through
+    it: a guard with such a reducer follows no drill and asks no routine save
+    (``CollectiveVote.drills``), so those slots are always "unknown"."""
 
     def __init__(self, reducer: Callable[..., Sequence[float]]) -> None:
         self.reducer = reducer
 
     def __call__(self, values: Sequence[float], ops: Sequence[Op], /) -> Sequence[float]:
-        drill = len(values) == 8 and values[7] == UNKNOWN_REMAINING
-        if len(values) != 7 and not drill:
+        table = Vote.table()
+        unknown = len(values) == len(table) and all(
+            value == row.unknown for value, row in zip(values[7:], table[7:]))
+        if len(values) != 7 and not unknown:
             raise TypeError(f"a reducer of seven positional floats cannot reduce a vote of "
                             f"{len(values)} numbers: take (values, ops) instead")
         return [*self.reducer(*values[:7]), *values[7:]]

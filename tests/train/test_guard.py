@@ -43,7 +43,7 @@ from sidecar.train.guard import (
     CheckpointGuard,
 )
 from sidecar.train.policy import SavePolicy
-from sidecar.train.vote import Op
+from sidecar.train.vote import UNKNOWN_ROUTINE, Op
 
 # ------------------------------------------------------------------ guard: real daemon
 
@@ -598,7 +598,8 @@ def test_reducer_sentinels_for_unknown_values() -> None:
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=record)
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
-                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING)]
+                     UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING,
+                     UNKNOWN_ROUTINE)]
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -608,9 +609,9 @@ def test_reducer_sentinels_for_unknown_values() -> None:
 def test_reduced_values_drive_the_decision() -> None:
     # This rank knows nothing; a peer rank knows the deadline, a step and a save.
     def peer_knows(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        remaining, step, save, covered, upload, after_final, typical, drill = values
+        remaining, step, save, covered, upload, after_final, typical, drill, *rest = values
         return [min(remaining, 140.0), max(step, 20.0), max(save, 5.0), max(covered, -1e9),
-                upload, after_final, max(typical, 20.0), drill]
+                upload, after_final, max(typical, 20.0), drill, *rest]
 
     guard = simple_guard(SidecarClient(f"http://127.0.0.1:{closed_port()}"), reducer=peer_knows)
     assert guard.should_save() is True

@@ -24,7 +24,7 @@ from sidecar.train.guard import (
     CheckpointGuard,
 )
 from sidecar.train.policy import SavePolicy
-from sidecar.train.vote import MAX, MIN, Op, Vote, as_reducer, vote_field
+from sidecar.train.vote import MAX, MIN, UNKNOWN_ROUTINE, Op, Vote, as_reducer, vote_field
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 
@@ -51,6 +51,7 @@ def test_the_table_is_the_dataclass_in_wire_order() -> None:
         ("steps_after_final", MIN, UNKNOWN_AFTER_FINAL),
         ("typical_step_seconds", MAX, UNKNOWN_STEP),
         ("drill_seconds", MIN, UNKNOWN_REMAINING),
+        ("routine_overdue_seconds", MAX, UNKNOWN_ROUTINE),
     ]
     assert Vote.ops() == [op for _name, op, _unknown in table]
 
@@ -69,9 +70,9 @@ def test_unknown_travels_as_a_value_that_loses_and_comes_back_as_none() -> None:
     assert reduced == Vote(step_seconds=2.0)
     # Nothing a reducer returns that is not a number on the winning side is taken as known.
     garbage = [math.nan, math.inf, -math.inf, math.inf, math.nan, math.nan, UNKNOWN_STEP,
-               math.nan]
+               math.nan, math.inf]
     assert Vote.unpack(garbage) == Vote()
-    with pytest.raises(ValueError, match="returned 6 numbers, not 8"):
+    with pytest.raises(ValueError, match="returned 6 numbers, not 9"):
         Vote.unpack([0.0] * 6)
 
 
@@ -88,7 +89,7 @@ def test_adding_a_field_is_one_line() -> None:
     ranks = [WiderVote(remaining_seconds=50.0), WiderVote(queue_seconds=4.0, step_seconds=1.0)]
 
     def reducer(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        assert len(values) == len(ops) == 9
+        assert len(values) == len(ops) == 10
         return all_reduce([rank.pack() for rank in ranks], ops)
 
     assert ranks[0].reduced(reducer) == WiderVote(remaining_seconds=50.0, step_seconds=1.0,
@@ -144,5 +145,5 @@ def test_a_seven_float_reducer_cannot_reduce_a_wider_vote() -> None:
     with pytest.warns(DeprecationWarning):
         adapted = as_reducer(lambda a, b, c, d, e, f, g: (a, b, c, d, e, f, g))
     assert list(adapted(Vote().pack(), Vote.ops())) == Vote().pack()
-    with pytest.raises(TypeError, match="cannot reduce a vote of 9 numbers"):
+    with pytest.raises(TypeError, match="cannot reduce a vote of 10 numbers"):
         WiderVote().reduced(adapted)

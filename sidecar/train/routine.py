@@ -1,0 +1,281 @@
+"""Routine saves where no notice can hold a save: whether, how often, and what a reclaim costs.
+
+Standard library only, no I/O, every time passed in or read from an injected clock. When
+a running source's notice (AWS spot 2 min, GCP and Azure 30 s, Volcengine spot 5 min, a
+SIGTERM grace) is shorter than the job's step + save + upload (the protection verdict,
+``sidecar.train.protection``), the final save cannot be made in time: the only defence is
+a recent checkpoint. The interval is Young's (J. W. Young, "A first order approximation
+to the optimum checkpoint interval", CACM 17(9), 1974; J. T. Daly's higher-order form,
+FGCS 22(3), 2006, differs by under 2 % while the save is under a thousandth of the time
+between reclaims)::
+
+    interval = sqrt(2 x save cost x mean time between reclaims)
+
+*Save cost* is the GPU time a save takes from training: the blocking save the guard
+measures (``SavePolicy.save_estimate()``, x1.2 included). The upload is not counted: the
+daemon's uploader runs beside training and costs it nothing (it only delays when the
+checkpoint is durable, which shifts the expected loss, not the optimum, to first order).
+The mean time between reclaims is :data:`DEFAULT_RECLAIM_EVERY_SECONDS` for the source,
+or, once the daemon accounted releases (``GET /v1/reclaims``), the measured one
+(:func:`measured_reclaim_every`). Several exposed sources add their rates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Union
+
+from sidecar.train.protection import DurableCheckpoint, JobFigures, Verdict, judge, short_duration
+
+__all__ = [
+    "AUTO",
+    "DEFAULT_RECLAIM_EVERY_SECONDS",
+    "FALLBACK_RECLAIM_EVERY_SECONDS",
+    "RoutinePlan",
+    "RoutineSaves",
+    "check_routine",
+    "daemon_asker",
+    "measured_reclaim_every",
+    "plan_routine",
+    "reclaim_every",
+    "young_daly_seconds",
+]
+
+AUTO = "auto"
+HOUR = 3600.0
+
+# The mean time between reclaims assumed for a source until the daemon measured one: a
+# CHOSEN default, the same for every reclaimable kind. The published figures are fleet
+# averages that say little about one GPU type in one zone (AWS's Spot Instance Advisor
+# gives a monthly "frequency of interruption" band per instance type, ">20 %" the worst;
+# GCP stops a preemptible VM after 24 h at the latest and has quoted 5-15 % preempted per
+# day; Azure publishes no rate), and GPU capacity is the most contended. A short figure
+# errs towards more saves, and the cost of a wrong guess is mild: with r = assumed / true,
+# the expected waste is (sqrt(r) + 1 / sqrt(r)) / 2 times the optimum (1.25 x at r = 4).
+FALLBACK_RECLAIM_EVERY_SECONDS = 6 * HOUR
+DEFAULT_RECLAIM_EVERY_SECONDS: dict[str, float] = {
+    "aws": 6 * HOUR,  # spot interruption (2 min notice)
+    "gcp": 6 * HOUR,  # spot / preemptible (30 s); a preemptible VM lives 24 h at most
+    "azure": 6 * HOUR,  # spot eviction (30 s)
+    "volcengine-spot": 6 * HOUR,  # spot reclaim (5 min)
+    "volcengine-events": 6 * HOUR,  # its shortest event: a spot reclaim
+    "SIGTERM": 6 * HOUR,  # a platform that only sends SIGTERM (Kubernetes, Slurm)
+}
+
+# How each source's reclaim reads in the line the guard says.
+_NAMED = {
+    "aws": "an AWS spot interruption",
+    "gcp": "a GCP preemption",
+    "azure": "an Azure eviction",
+    "volcengine-spot": "a Volcengine spot reclaim",
+    "volcengine-events": "a Volcengine spot reclaim",
+    "SIGTERM": "a SIGTERM",
+}
+
+Setting = Union[str, float, None]
+
+
+class _Graced(Protocol):
+    grace_seconds: float
+
+
+def check_routine(value: object) -> Setting:
+    """``"auto"``, a number of seconds > 0, or None; ValueError naming ``routine_seconds``."""
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"routine_seconds must be 'auto', a number of seconds > 0 or None, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def young_daly_seconds(save_seconds: float, reclaim_every_seconds: float) -> float:
+    """sqrt(2 x save cost x mean time between reclaims), at least the save itself."""
+    return max(save_seconds, math.sqrt(2.0 * save_seconds * reclaim_every_seconds))
+
+
+def reclaim_every(sources: Sequence[str]) -> float:
+    """The default mean time between reclaims of these sources together (rates add)."""
+    if not sources:
+        return FALLBACK_RECLAIM_EVERY_SECONDS
+    rate = sum(1.0 / DEFAULT_RECLAIM_EVERY_SECONDS.get(s, FALLBACK_RECLAIM_EVERY_SECONDS)
+               for s in sources)
+    return 1.0 / rate
+
+
+def measured_reclaim_every(machine_seconds: Sequence[float], prior_seconds: float
+                           ) -> Optional[float]:
+    """The mean time between reclaims from the lives of the machines that were reclaimed
+    (each release's start to its end), with the default as one more life: a gamma prior
+    of one pseudo-reclaim, so one short-lived machine does not halve the interval at
+    once. None without a measured life. The machine running now is left out: that errs
+    short, towards more saves."""
+    lives = [s for s in machine_seconds if math.isfinite(s) and s > 0]
+    if not lives:
+        return None
+    return (prior_seconds + sum(lives)) / (1 + len(lives))
+
+
+@dataclass(frozen=True)
+class RoutinePlan:
+    """Routine saves now: the interval (None: none), and why."""
+
+    interval_seconds: Optional[float]
+    exposed: tuple[Verdict, ...]  # the sources whose notice cannot hold a save
+    save_seconds: Optional[float]  # the save cost counted
+    reclaim_every_seconds: Optional[float]
+    measured_reclaims: int  # releases behind reclaim_every_seconds (0: the default)
+    line: str  # what a reclaim costs now, said once per change
+
+    @property
+    def engaged(self) -> bool:
+        return self.interval_seconds is not None
+
+
+def _named(source: str) -> str:
+    return _NAMED.get(source, f"a {source} notice")
+
+
+def plan_routine(setting: Setting, notices: Mapping[str, Optional[float]], job: JobFigures,
+                 *, machine_seconds: Sequence[float] = (),
+                 durable: Optional[DurableCheckpoint] = None, now: float = 0.0) -> RoutinePlan:
+    """The plan for ``setting`` (``"auto"``, seconds, None) against each source's notice."""
+    verdicts = judge(notices, job, durable, now)
+    exposed = tuple(v for v in verdicts if v.protected is False)
+    save = job.save_seconds
+    if setting is None or (setting == AUTO and (not exposed or save is None)):
+        held = "; ".join(v.reason for v in verdicts)
+        return RoutinePlan(None, exposed, save, None, 0, f"no routine saves: {held}" if held
+                           else "no routine saves: no source with a short notice")
+    prior = reclaim_every([v.source for v in exposed])
+    measured = measured_reclaim_every(machine_seconds, prior)
+    every = prior if measured is None else measured
+    counted = 0 if measured is None else len([s for s in machine_seconds if s > 0])
+    if isinstance(setting, float):
+        interval, how = setting, "routine_seconds"
+    else:
+        assert save is not None
+        interval = young_daly_seconds(save, every)
+        how = (f"Young/Daly: a {short_duration(save)} save, a reclaim every "
+               f"{short_duration(every)} " + (f"measured over {counted} release"
+                                              f"{'s' if counted > 1 else ''}" if counted
+                                              else "assumed"))
+    if exposed:
+        worst = min(exposed, key=lambda v: v.notice_seconds or 0.0)
+        needed = worst.needed_seconds or 0.0
+        what = "step + save + upload" if job.upload_seconds else "step + save"
+        said = (f"{_named(worst.source)} gives {short_duration(worst.notice_seconds or 0.0)}; "
+                f"a {what} takes {short_duration(needed)}; ")
+    else:
+        needed = job.needed_seconds or 0.0
+        said = ""
+    now_part = ""
+    if exposed and exposed[0].at_risk_seconds is not None:
+        step = exposed[0].at_risk_step
+        now_part = (f" (now {short_duration(exposed[0].at_risk_seconds)}"
+                    + ("" if step is None else f", since step {step}") + ")")
+    line = (f"{said}a reclaim loses up to {short_duration(interval + needed)}{now_part}, "
+            f"routine saves every {short_duration(interval)} ({how})")
+    return RoutinePlan(interval, exposed, save, every, counted, line)
+
+
+class RoutineSaves:
+    """When the next routine save is due, for a guard or a drop-in (clock injected).
+
+    ``notices`` and ``machine_lives`` are asked at most once per ``ask_every_seconds`` (on
+    ``monotonic``): the running sources' notices (source -> seconds, None: known ahead;
+    None when unknown) and the lives of the reclaimed machines. The interval counts from
+    the start of the last save of any kind (routine, final, the user's own), else from the
+    first question. Says each new plan once, on ``logger``.
+    """
+
+    def __init__(self, setting: Setting, logger: logging.Logger, *,
+                 monotonic: Callable[[], float],
+                 notices: Callable[[], Optional[Mapping[str, Optional[float]]]],
+                 machine_lives: Callable[[], Optional[Sequence[float]]] = lambda: None,
+                 ask_every_seconds: float = 60.0) -> None:
+        self.setting = check_routine(setting)
+        self._logger = logger
+        self._monotonic = monotonic
+        self._ask_notices = notices
+        self._ask_lives = machine_lives
+        self._ask_every = ask_every_seconds
+        self._asked_at: Optional[float] = None
+        self._notices: dict[str, Optional[float]] = {}
+        self._lives: Sequence[float] = ()
+        self._since_unix: Optional[float] = None
+        self._said: Optional[tuple[object, ...]] = None
+        self.plan: Optional[RoutinePlan] = None
+
+    @classmethod
+    def asking(cls, tracker: object, setting: Setting, logger: logging.Logger,
+               monotonic: Callable[[], float]) -> RoutineSaves:
+        """Asking the :class:`~sidecar.train.deadline.DeadlineTracker`'s client
+        (:meth:`~SidecarClient.source_notices`, :meth:`~SidecarClient.machine_lives`), and
+        only while its daemon answers, so a hung daemon costs no more timeouts than it
+        does already (a stand-in client without them: no notices)."""
+        client = getattr(tracker, "client", None)
+
+        def while_reachable(name: str) -> Callable[[], object]:
+            ask = daemon_asker(client, name)
+            return lambda: ask() if getattr(tracker, "reachable", False) else None
+
+        return cls(setting, logger, monotonic=monotonic,
+                   notices=while_reachable("source_notices"),  # type: ignore[arg-type]
+                   machine_lives=while_reachable("machine_lives"))  # type: ignore[arg-type]
+
+    def saved(self, started_unix: float) -> None:
+        """A save (of any kind) started at ``started_unix``: the interval restarts."""
+        self._since_unix = started_unix
+
+    def _ask(self, extra: Mapping[str, Optional[float]]) -> None:
+        now = self._monotonic()
+        if self._asked_at is not None and now - self._asked_at < self._ask_every:
+            return
+        self._asked_at = now
+        try:
+            notices = self._ask_notices()
+            if notices is not None:
+                self._notices = dict(notices)
+            if self.plan is not None and (self.plan.exposed or isinstance(self.setting, float)):
+                lives = self._ask_lives()
+                if lives is not None:
+                    self._lives = list(lives)
+        except Exception:  # a bug of ours or the daemon's must not stop training
+            self._logger.debug("routine saves: could not ask the daemon", exc_info=True)
+        self._notices.update(extra)
+
+    def overdue(self, now_unix: float, job: JobFigures, sigterm: Optional[_Graced] = None,
+                durable: Optional[DurableCheckpoint] = None) -> Optional[float]:
+        """Seconds past due (negative: not yet); None: no routine saves now. ``sigterm``:
+        the guard's SIGTERM deadline, whose grace is a notice too."""
+        if self.setting is None:
+            return None
+        if self._since_unix is None:
+            self._since_unix = now_unix
+        self._ask({} if sigterm is None else {"SIGTERM": sigterm.grace_seconds})
+        plan = self.plan = plan_routine(self.setting, self._notices, job,
+                                        machine_seconds=self._lives, durable=durable,
+                                        now=now_unix)
+        key = (tuple((v.source, v.notice_seconds) for v in plan.exposed),
+               None if plan.interval_seconds is None else round(plan.interval_seconds / 60),
+               plan.measured_reclaims)
+        if key != self._said:
+            if plan.engaged or self._said is not None:
+                self._logger.log(logging.WARNING if plan.exposed else logging.INFO, "%s",
+                                 plan.line)
+            self._said = key
+        if plan.interval_seconds is None:
+            return None
+        return now_unix - (self._since_unix + plan.interval_seconds)
+
+
+def daemon_asker(client: object, name: str) -> Callable[[], object]:
+    """``client.name`` (a :class:`SidecarClient` method), or an answer of None for a
+    stand-in client without it (a test's, the simulator's)."""
+    asked = getattr(client, name, None)
+    return asked if callable(asked) else lambda: None
