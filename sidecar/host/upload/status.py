@@ -60,6 +60,9 @@ class UploadRecord:
     # it was written, nor copied from an equal durable file): what the next estimate
     # counts (issue 23). None until uploaded here.
     bytes_after_save: Optional[int] = None
+    # bytes_done when this attempt started (sent while the save wrote): what the attempt
+    # itself sent, over its time so far, is its throughput while it runs (issue 23).
+    bytes_at_start: int = 0
 
     def newer_than(self, other: UploadRecord) -> bool:
         return (self.step, self.created_at_unix) > (other.step, other.created_at_unix)
@@ -232,15 +235,27 @@ class UploadTracker:
         return sorted(records, key=_newest_first, reverse=True)
 
     def throughput(self) -> Optional[float]:
-        """Bytes per second of the recent uploads (their whole duration, the storage calls
-        around the transfer included); the configured cap until one was measured."""
+        """Bytes per second to plan with: the slow tail of the recent uploads' rates (each
+        over its sending time, the storage calls around the transfer included; the
+        configured cap until one was measured), slower while the upload in progress is
+        slower than that (``plan.in_progress_rate``), so a link that slows is seen before
+        the upload ends."""
+        now = self._clock()
         with self._lock:
             rates = list(self._rates)
-        return plan.throughput(rates, self.max_bandwidth)
+            current = next((r for r in self._records.values() if r.state == "uploading"), None)
+        rate = plan.throughput(rates, self.max_bandwidth)
+        if current is None or current.started_at_unix is None:
+            return rate
+        return plan.in_progress_rate(
+            rate, sent=max(0, current.bytes_done - current.bytes_at_start),
+            elapsed_seconds=now - current.started_at_unix,
+            left=max(0, current.bytes_total - current.bytes_done))
 
     def next_upload_seconds(self) -> Optional[float]:
         """How long the next checkpoint will take to become durable, once saved locally:
-        the largest recent checkpoint over :meth:`throughput`, with a margin
+        the largest recent checkpoint over :meth:`throughput` (which an upload in
+        progress slows when it is slower), with a margin
         (``plan.next_upload_seconds``). None before a checkpoint was seen, or while no
         throughput is known (no upload measured and no ``--upload-max-bandwidth``)."""
         # The bytes each recent upload had to send after its save ended (streamed and

@@ -356,6 +356,7 @@ class Uploader:
         self.tracker.update(
             record.name, state="uploading", attempts=record.attempts + 1,
             bytes_done=min(streamed, record.bytes_total),
+            bytes_at_start=min(streamed, record.bytes_total),
             started_at_unix=self._clock(), finished_at_unix=None, error=None, note=None,
         )
         started = time.monotonic()

@@ -6,10 +6,12 @@ docs/simulation.md states; keep the two in step.
 
 - The machine is reclaimed at the first instant the true deadline is reached; its local
   disk goes with it. A checkpoint counts only once it is *durable*: at once without an
-  uploader, else when its upload ended (see :func:`durable_times`, the daemon's uploader
-  in a few lines: one upload at a time, newest first, an older one near the release
-  yields to a newer one unless both still end in time; the estimate and that rule are
-  the daemon's own, ``sidecar.host.upload.plan``).
+  uploader, else when its upload ended (see :class:`Uploads`, the daemon's uploader in a
+  few lines: one upload at a time, newest first, an older one near the release yields to
+  a newer one unless both still end in time; the estimate and that rule are the daemon's
+  own, ``sidecar.host.upload.plan``, the upload in progress included). The link may slow
+  (the workload's ``link_halves``). The first estimate is the one the checkpoint carried
+  from the machine before: its daemon's, over ``plan.RATE_WINDOW`` uploads it measured.
 - A deadline change reaches the job ``notice_delay_seconds`` after it happened (the daemon
   serves it after its next poll); the deadline known at the start is known at once.
 - ``lead``: reclaim time minus the time the job learned the deadline that was enforced.
@@ -42,7 +44,13 @@ from sidecar.tools.simulate.policies import (
     get_policy,
     top_up_policy,
 )
-from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
+from sidecar.tools.simulate.workloads import (
+    WORKLOADS,
+    DeadlineChange,
+    Link,
+    Workload,
+    get_workload,
+)
 from sidecar.train.policy import quantile
 from sidecar.train.reclaim_cost import lost_seconds, redone_seconds
 
@@ -51,6 +59,7 @@ __all__ = [
     "WINDOW_MARGIN_SECONDS",
     "Result",
     "RunOutcome",
+    "Uploads",
     "durable_times",
     "run",
     "simulate_run",
@@ -61,6 +70,7 @@ DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its defa
 # The plan's amounts here are upload durations, the daemon's bytes: at rate 1 an upload's
 # amount is its own duration.
 UPLOAD_RATE = 1.0
+FULL_SPEED = Link()  # a link that never slows
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
 # The top-up margins compared to choose SavePolicy's default (None: no top-up).
 TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -121,11 +131,13 @@ class Result:
 @dataclass(frozen=True)
 class Checkpoint:
     """A completed local save: the training state of ``state_seconds``, on disk at
-    ``saved_seconds``, uploaded in ``upload_seconds`` once its upload starts."""
+    ``saved_seconds``, with ``upload_seconds`` to upload (the amount: its duration at
+    ``upload_rate`` 1 on a link at full speed)."""
 
     state_seconds: float
     saved_seconds: float
     upload_seconds: float
+    upload_rate: float = 1.0
 
 
 def _known_from(change: DeadlineChange, notice_delay_seconds: float) -> float:
@@ -141,60 +153,120 @@ def _reclaim(changes: Sequence[DeadlineChange]) -> tuple[float, int]:
     raise ValueError("the schedule never reclaims the machine")
 
 
-def _estimate(done: Sequence[float]) -> Optional[float]:
-    """What the daemon serves after the uploads ``done`` (durations, oldest first)."""
-    return plan.next_upload_seconds(done[::-1], UPLOAD_RATE)
+class Uploads:
+    """The daemon's uploader in a few lines, fed the checkpoints as they are saved: one
+    upload at a time; a checkpoint arriving while one runs waits (replacing an older one
+    waiting, which is skipped); near the release the running upload gives way to the newer
+    one as ``plan.gives_way`` says (the daemon's default ``--upload-near-release``; the
+    newer one's size guessed as the largest recent upload). The estimate it serves is the
+    daemon's: ``plan`` over the uploads done, updated by the one in progress
+    (``plan.in_progress_rate``); ``first_estimate`` (the one saved in the checkpoint)
+    until one was done here; ``prior``: the ``(amount, seconds)`` the machine before
+    measured, the rate the give-way rule assumes until then."""
+
+    def __init__(self, known_deadline: Callable[[float], Optional[float]],
+                 first_estimate: Optional[float], *, link: Link = FULL_SPEED,
+                 prior: Sequence[tuple[float, float]] = ()) -> None:
+        self._known_deadline = known_deadline
+        self._first_estimate = first_estimate
+        self._link = link
+        self._prior = list(prior)
+        self.checkpoints: list[Checkpoint] = []
+        self.durable: list[float] = []  # inf: not (yet) durable
+        # Amounts, oldest first, for the newer one's size (the saved estimate's first).
+        self._sizes = [] if first_estimate is None else [first_estimate / plan.ESTIMATE_MARGIN]
+        self._done: list[tuple[float, float]] = []  # (amount, seconds) uploaded here
+        self._running: Optional[tuple[int, float, float]] = None  # index, started, ends
+        self._waiting: Optional[int] = None
+
+    def _start(self, index: int, at: float) -> None:
+        checkpoint = self.checkpoints[index]
+        ends = self._link.ends(at, checkpoint.upload_seconds, checkpoint.upload_rate)
+        self._running = (index, at, ends)
+
+    def advance(self, until: float) -> None:
+        """Finish every upload that ends by ``until``."""
+        while self._running is not None and self._running[2] <= until:
+            index, started, ends = self._running
+            self.durable[index] = ends
+            amount = self.checkpoints[index].upload_seconds
+            self._done.append((amount, ends - started))
+            self._sizes.append(amount)
+            self._running = None
+            if self._waiting is not None:
+                self._start(self._waiting, ends)
+                self._waiting = None
+
+    def _left(self, now: float) -> float:
+        """What the running upload still has to send at ``now`` (0: none runs)."""
+        if self._running is None:
+            return 0.0
+        index, started, _ = self._running
+        checkpoint = self.checkpoints[index]
+        sent = self._link.sent(started, now, checkpoint.upload_rate)
+        return max(0.0, checkpoint.upload_seconds - sent)
+
+    def rate(self, now: float) -> Optional[float]:
+        """The rate the daemon assumes at ``now``: the plan's over the recent uploads (the
+        prior's before any), slower when the one in progress shows it."""
+        rate = plan.throughput((self._done or self._prior)[-plan.RATE_WINDOW:], None)
+        if self._running is None or rate is None:
+            return UPLOAD_RATE if rate is None else rate
+        index, started, _ = self._running
+        left = self._left(now)
+        return plan.in_progress_rate(rate, sent=self.checkpoints[index].upload_seconds - left,
+                                     elapsed_seconds=now - started, left=left)
+
+    def estimate(self, now: float) -> Optional[float]:
+        """What the daemon serves at ``now`` as the next upload's duration."""
+        self.advance(now)
+        if not self._done:
+            return self._first_estimate  # nothing measured here: the saved estimate
+        sizes = [amount for amount, _ in self._done[::-1]]
+        return plan.next_upload_seconds(sizes, self.rate(now))
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        """A checkpoint saved at ``checkpoint.saved_seconds``: upload it, or queue it."""
+        now = checkpoint.saved_seconds
+        self.advance(now)
+        index = len(self.checkpoints)
+        self.checkpoints.append(checkpoint)
+        self.durable.append(math.inf)
+        if checkpoint.upload_seconds <= 0:
+            self.durable[index] = now
+            return
+        if self._running is None:
+            self._start(index, now)
+            return
+        deadline = self._known_deadline(now)
+        remaining = None if deadline is None else deadline - now
+        next_upload = plan.next_upload_seconds(self._sizes[::-1], self.rate(now))
+        if plan.gives_way(
+            remaining, near_release_seconds=DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+            next_upload=next_upload, current_left=self._left(now),
+            newer=plan.largest_recent(self._sizes[::-1]) or 0.0, rate=self.rate(now),
+        ):
+            self._start(index, now)  # give the old one up
+            self._waiting = None
+        else:
+            self._waiting = index
 
 
 def durable_times(
     checkpoints: Sequence[Checkpoint],
     known_deadline: Callable[[float], Optional[float]],
     first_estimate: Optional[float],
+    *,
+    link: Link = FULL_SPEED,
+    prior: Sequence[tuple[float, float]] = (),
 ) -> list[float]:
     """When each checkpoint became durable (``inf``: never, its upload was given up or
-    skipped). The daemon's uploader: one upload at a time; a checkpoint arriving while one
-    runs waits (replacing an older one waiting, which is skipped); near the release the
-    running upload gives way to the newer one as ``plan.gives_way`` says (the daemon's
-    default ``--upload-near-release``; the newer one's size guessed as the largest recent
-    upload, the daemon's estimate)."""
-    durable = [math.inf] * len(checkpoints)
-    done = [] if first_estimate is None else [first_estimate / plan.ESTIMATE_MARGIN]
-    running: Optional[tuple[int, float, float]] = None  # index, started, ends
-    waiting: Optional[int] = None
-
-    def advance(until: float) -> None:
-        nonlocal running, waiting
-        while running is not None and running[2] <= until:
-            index, started, ends = running
-            durable[index] = ends
-            done.append(ends - started)
-            running = None
-            if waiting is not None:
-                running = (waiting, ends, ends + checkpoints[waiting].upload_seconds)
-                waiting = None
-
-    for index, checkpoint in enumerate(checkpoints):
-        now = checkpoint.saved_seconds
-        advance(now)
-        if checkpoint.upload_seconds <= 0:
-            durable[index] = now
-            continue
-        if running is None:
-            running = (index, now, now + checkpoint.upload_seconds)
-            continue
-        deadline = known_deadline(now)
-        remaining = None if deadline is None else deadline - now
-        if plan.gives_way(
-            remaining, near_release_seconds=DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-            next_upload=_estimate(done), current_left=running[2] - now,
-            newer=plan.largest_recent(done[::-1]) or 0.0, rate=UPLOAD_RATE,
-        ):
-            running = (index, now, now + checkpoint.upload_seconds)  # give the old one up
-            waiting = None
-        else:
-            waiting = index
-    advance(math.inf)
-    return durable
+    skipped), by :class:`Uploads`."""
+    uploads = Uploads(known_deadline, first_estimate, link=link, prior=prior)
+    for checkpoint in checkpoints:
+        uploads.add(checkpoint)
+    uploads.advance(math.inf)
+    return uploads.durable
 
 
 def simulate_run(
@@ -216,8 +288,12 @@ def simulate_run(
     feasible = reclaim_seconds - learned_seconds >= worst
     window_opens = max(learned_seconds, reclaim_seconds - (worst + WINDOW_MARGIN_SECONDS))
     uploads = workload.upload_seconds > 0
-    first_estimate = (plan.upload_seconds(workload.upload_seconds, UPLOAD_RATE) if uploads
-                      else None)
+    # The estimate the checkpoint carried from the machine before: its daemon's, over the
+    # uploads it measured there.
+    prior = trace.history(plan.RATE_WINDOW) if uploads else []
+    first_estimate = (plan.next_upload_seconds([workload.upload_seconds],
+                                               plan.throughput(prior, None))
+                      if uploads else None)
 
     def known_deadline(now_seconds: float) -> Optional[float]:
         deadline = None
@@ -234,14 +310,11 @@ def simulate_run(
     interrupted = False
     waiting = False
     trained: list[tuple[float, float]] = []  # (start, end) of every step, the cut one too
-    checkpoints = [Checkpoint(0.0, 0.0, 0.0)]  # the run resumes from a durable checkpoint
+    queue = Uploads(known_deadline, first_estimate, link=trace.link, prior=prior)
+    queue.add(Checkpoint(0.0, 0.0, 0.0))  # the run resumes from a durable checkpoint
 
     def estimate() -> Optional[float]:
-        # What the daemon would serve now: the uploads finished by now (the durable
-        # times are settled after the run; the drawn durations stand for them here).
-        done = [c.upload_seconds for c in checkpoints[1:]
-                if c.saved_seconds + c.upload_seconds <= now]
-        return _estimate(done) if done else first_estimate
+        return queue.estimate(now)  # what the daemon would serve now
 
     while True:
         if waiting:
@@ -269,8 +342,8 @@ def simulate_run(
                 interrupted = True
                 break
             agent.record_save(seconds, now)
-            checkpoints.append(Checkpoint(now, now + seconds,
-                                          trace.upload_seconds(saves) if uploads else 0.0))
+            amount, rate = trace.upload(saves) if uploads else (0.0, 1.0)
+            queue.add(Checkpoint(now, now + seconds, amount, rate))
             now += seconds
             saving += seconds
             saves += 1
@@ -279,8 +352,9 @@ def simulate_run(
                 idle += reclaim_seconds - now
                 break
             waiting = True
-    durable = durable_times(checkpoints, known_deadline, first_estimate)
-    resumed = max((c for c, at in zip(checkpoints, durable) if at <= reclaim_seconds),
+    queue.advance(math.inf)
+    resumed = max((c for c, at in zip(queue.checkpoints, queue.durable)
+                   if at <= reclaim_seconds),
                   key=lambda c: c.state_seconds)
     # The account the daemon and `esi-sidecar restore` keep too (sidecar.train.reclaim_cost).
     unsaved = redone_seconds(trained, resumed.state_seconds)

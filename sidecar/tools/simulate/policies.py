@@ -282,8 +282,14 @@ class OraclePolicy:
         self._steps = 0
         self._saved = False
 
-    def _durable_after(self, index: int) -> float:
-        return self.trace.save_seconds(index) + self.trace.upload_seconds(index)
+    def _durable_after(self, index: int, now_seconds: float) -> float:
+        """Seconds from ``now_seconds`` until save ``index`` started then is durable (its
+        upload on the run's link, which may slow)."""
+        saved = now_seconds + self.trace.save_seconds(index)
+        amount, rate = self.trace.upload(index)
+        if amount <= 0:
+            return saved - now_seconds
+        return self.trace.link.ends(saved, amount, rate) - now_seconds
 
     def record_step(self, seconds: float) -> None:
         self._steps += 1
@@ -292,10 +298,9 @@ class OraclePolicy:
                     upload_seconds: Optional[float] = None) -> bool:
         if self._saved:
             return False
-        durable = self._durable_after(0)
         next_step = self.trace.step_seconds(self._steps)
-        return (now_seconds + durable <= self.reclaim_seconds
-                < now_seconds + next_step + durable)
+        return (now_seconds + self._durable_after(0, now_seconds) <= self.reclaim_seconds
+                < now_seconds + next_step + self._durable_after(0, now_seconds + next_step))
 
     def record_save(self, seconds: float, started_seconds: float) -> None:
         self._saved = True

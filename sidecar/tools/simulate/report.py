@@ -494,7 +494,7 @@ durations, so thousands of two-hour runs take seconds.
   older one waiting is skipped), and near the release (within 600 s, or twice the
   estimate) an upload in progress gives way to a newer checkpoint unless both still end
   before the known deadline. The policies are told the uploader's estimate (the
-  largest of the last 3 uploads x 1.2), as `/v1/expiry` serves it.
+  largest of the last 3 at the slow-tail rate x 1.2: docs/upload.md), as `/v1/expiry` serves it.
 - The machine is reclaimed when the true deadline is reached. The deadline may move
   mid-run; the job learns of a move **{delay} s** after it happened (the daemon serves it
   after its next poll; 2 s on the spot-notice workloads, the aws source's poll). A

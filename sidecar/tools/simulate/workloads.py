@@ -9,11 +9,12 @@ random numbers), and a few hundred seeds are enough to compare them.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["WORKLOADS", "DeadlineChange", "Trace", "Workload", "get_workload"]
+__all__ = ["WORKLOADS", "DeadlineChange", "Link", "Trace", "Workload", "get_workload"]
 
 MINUTE = 60.0
 
@@ -45,6 +46,14 @@ class Trace:
         self._save_rng = random.Random(f"{workload.name}/{seed}/saves")
         self._upload_rng = random.Random(f"{workload.name}/{seed}/uploads")
         self.changes = workload.schedule(random.Random(f"{workload.name}/{seed}/deadline"))
+        self._seed = seed
+        # The link halves at an instant drawn before the first deadline, or never.
+        self.link = Link()
+        first = self.changes[0].deadline_seconds
+        if workload.link_halves is not None and first is not None:
+            lo, hi = workload.link_halves
+            link_rng = random.Random(f"{workload.name}/{seed}/link")
+            self.link = Link(max(0.0, first - link_rng.uniform(lo, hi)))
         self._steps: list[float] = []
         self._saves: list[float] = []
         self._uploads: list[float] = []
@@ -62,10 +71,52 @@ class Trace:
         return self._saves[index]
 
     def upload_seconds(self, index: int) -> float:
-        """How long the ``index``-th save of the run takes to upload (0: no uploader)."""
+        """How long the ``index``-th save of the run takes to upload at the link's full
+        speed (0: no uploader)."""
         while len(self._uploads) <= index:
             self._uploads.append(self.workload.draw_upload(self._upload_rng))
         return self._uploads[index]
+
+    def upload(self, index: int) -> tuple[float, float]:
+        """The ``index``-th upload as ``(amount, rate)``: at rate 1 an amount is its own
+        duration. Size noise (the default) varies the amount; a workload whose noise is
+        the link's (``upload_sigma``) keeps the checkpoint's size and varies the rate."""
+        seconds = self.upload_seconds(index)
+        if self.workload.upload_sigma and seconds > 0:
+            return self.workload.upload_seconds, self.workload.upload_seconds / seconds
+        return seconds, 1.0
+
+    def history(self, count: int) -> list[tuple[float, float]]:
+        """``count`` uploads the daemon of the machine before measured, oldest first, as
+        ``(amount, seconds)``: the checkpoint's size at the link's rates as this workload
+        draws them (a separate stream, so the run's own draws stay the same)."""
+        rng = random.Random(f"{self.workload.name}/{self._seed}/history")
+        size = self.workload.upload_seconds
+        if not self.workload.upload_sigma:
+            return [(size, size)] * count
+        return [(size, self.workload.draw_upload(rng)) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class Link:
+    """The uploader's link: full speed, halving at ``halves_seconds`` (inf: never)."""
+
+    halves_seconds: float = math.inf
+
+    def ends(self, start_seconds: float, amount: float, rate: float = 1.0) -> float:
+        """When an upload of ``amount`` at ``rate`` (full speed) started at
+        ``start_seconds`` ends."""
+        halves = self.halves_seconds
+        if start_seconds + amount / rate <= halves:
+            return start_seconds + amount / rate
+        before = max(0.0, halves - start_seconds) * rate
+        return max(start_seconds, halves) + (amount - before) / (0.5 * rate)
+
+    def sent(self, start_seconds: float, until_seconds: float, rate: float = 1.0) -> float:
+        """What an upload at ``rate`` started at ``start_seconds`` sent by ``until_seconds``."""
+        until_seconds = max(start_seconds, until_seconds)
+        halves = max(start_seconds, min(until_seconds, self.halves_seconds))
+        return ((halves - start_seconds) + 0.5 * (until_seconds - halves)) * rate
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,12 @@ class Workload:
     notice_delay_seconds: Optional[float] = None
     upload_seconds: float = 0.0
     upload_jitter: float = 0.10
+    # > 0: upload times are lognormal, median ``upload_seconds``, this sigma, from the
+    # link's speed (the checkpoint's size stays the same); the jitter is then unused.
+    upload_sigma: float = 0.0
+    # The link's speed halves at an instant drawn this many seconds (lo, hi) before the
+    # first deadline (None: it never does).
+    link_halves: Optional[tuple[float, float]] = None
     # Non-empty for a stress workload: what it hides from a policy that only sees its
     # own measurements (the reference workloads leave it empty).
     stress: str = ""
@@ -115,6 +172,8 @@ class Workload:
         return self.save_seconds * rng.uniform(1 - self.save_jitter, 1 + self.save_jitter)
 
     def draw_upload(self, rng: random.Random) -> float:
+        if self.upload_sigma:
+            return self.upload_seconds * math.exp(rng.gauss(0.0, self.upload_sigma))
         return self.upload_seconds * rng.uniform(1 - self.upload_jitter, 1 + self.upload_jitter)
 
     @property
@@ -132,7 +191,10 @@ class Workload:
 
     @property
     def upload_max_seconds(self) -> float:
-        return self.upload_seconds * (1 + self.upload_jitter)
+        if self.upload_sigma:  # unbounded: its 99.9th percentile, z = 3.09
+            return self.upload_seconds * math.exp(3.09 * self.upload_sigma)
+        factor = 2.0 if self.link_halves is not None else 1.0
+        return self.upload_seconds * (1 + self.upload_jitter) * factor
 
     def trace(self, seed: int) -> Trace:
         return Trace(self, seed)
@@ -222,6 +284,17 @@ WORKLOADS: dict[str, Workload] = {
         Workload("very-slow-saves", "as steady, but saves take 240 s +-20%",
                  fixed_release, save_seconds=240.0, save_jitter=0.20,
                  stress="a job that saves only at the deadline never measured a save"),
+        # Upload noise and a slowing link (issue 23, items 3 and 7).
+        Workload("upload-lognormal", "as steady, upload times lognormal (sigma 0.35, median "
+                 "150 s) from the link's speed", fixed_release, upload_seconds=150.0,
+                 upload_sigma=0.35,
+                 stress="an upload 2.5-3x the median after a few fast ones beats an estimate "
+                 "from those few"),
+        Workload("link-halves", "as upload-3min, but the link's speed halves 2-20 min before "
+                 "the release (often during an upload)", fixed_release, upload_seconds=180.0,
+                 link_halves=(2 * MINUTE, 20 * MINUTE),
+                 stress="a link that slows while nothing uploads is seen only by the final "
+                 "upload: routine uploads measure it"),
     )
 }
 

@@ -13,6 +13,7 @@ from sidecar.host.upload import plan
 from sidecar.host.upload.plan import (
     ESTIMATE_MARGIN,
     gives_way,
+    in_progress_rate,
     largest_recent,
     near_release,
     next_upload_seconds,
@@ -24,17 +25,49 @@ MIB = 1 << 20
 
 
 def test_the_constants_are_the_documented_ones() -> None:
-    assert (plan.SIZE_WINDOW, plan.RATE_WINDOW) == (3, 5)
+    assert (plan.SIZE_WINDOW, plan.RATE_WINDOW, plan.SLOW_QUANTILE) == (3, 10, 0.9)
     assert ESTIMATE_MARGIN == 1.2
 
 
-def test_throughput_is_the_recent_bytes_over_their_seconds_capped() -> None:
+def test_throughput_is_the_slow_tail_of_the_recent_rates_capped() -> None:
     assert throughput([], None) is None  # nothing measured, no cap
     assert throughput([], 50 * MIB) == 50 * MIB  # the cap until an upload was measured
-    # Whole uploads weighted by size, not a mean of rates: (100 + 300) MiB in (10 + 10) s.
-    assert throughput([(100 * MIB, 10.0), (300 * MIB, 10.0)], None) == 20 * MIB
+    # Fewer than ten uploads: the slowest one's rate, not the pooled (100 + 300) / 20 s.
+    assert throughput([(100 * MIB, 10.0), (300 * MIB, 10.0)], None) == 10 * MIB
     assert throughput([(100 * MIB, 10.0), (300 * MIB, 10.0)], 5 * MIB) == 5 * MIB
     assert throughput(iter([(10.0, 2.0)]), 100.0) == 5.0  # any iterable, once
+    # Ten uploads at 10..100 units/s: nearest rank 9 of 10 in seconds per unit, the
+    # second slowest (20/s); one very slow upload among ten is the tail's one outlier.
+    ten = [(float(rate), 1.0) for rate in range(10, 101, 10)]
+    assert throughput(ten, None) == pytest.approx(20.0)
+    assert throughput(ten[1:], None) == pytest.approx(20.0)  # nine: the slowest
+    # Twenty: rank 18, the third slowest.
+    twenty = [(float(rate), 1.0) for rate in range(1, 21)]
+    assert throughput(twenty, None) == pytest.approx(3.0)
+    # A mean x 1.2 is beaten by a slow upload; the tail is not: 4 at 10/s, 1 at 5/s.
+    mixed = [(10.0, 1.0)] * 4 + [(10.0, 2.0)]
+    assert throughput(mixed, None) == 5.0
+    assert throughput([(0.0, 1.0), (10.0, 0.0)], 7.0) == 7.0  # nothing usable: the cap
+
+
+def test_an_upload_in_progress_slower_than_assumed_slows_the_rate() -> None:
+    # At the assumed 10/s, or faster, nothing changes.
+    assert in_progress_rate(10.0, sent=50.0, elapsed_seconds=5.0, left=50.0) == 10.0
+    assert in_progress_rate(10.0, sent=80.0, elapsed_seconds=5.0, left=20.0) == 10.0
+    # Half the speed: 25 sent in 5 s, 75 left. It cannot end before 5 + 7.5 s: 100 / 12.5.
+    assert in_progress_rate(10.0, sent=25.0, elapsed_seconds=5.0, left=75.0) == 8.0
+    # Once nothing is left it is the upload's own rate; it starts at the assumed one.
+    assert in_progress_rate(10.0, sent=50.0, elapsed_seconds=10.0, left=0.0) == 5.0
+    # Nothing sent yet after 2 s of a 100 upload: 100 / (2 + 10), never 0.
+    assert in_progress_rate(10.0, sent=0.0, elapsed_seconds=2.0, left=100.0) == pytest.approx(
+        100 / 12)
+    # No rate to compare with, no time yet, nothing to send: the rate as it was.
+    assert in_progress_rate(None, sent=10.0, elapsed_seconds=5.0, left=10.0) is None
+    assert in_progress_rate(10.0, sent=0.0, elapsed_seconds=0.0, left=10.0) == 10.0
+    assert in_progress_rate(10.0, sent=0.0, elapsed_seconds=3.0, left=0.0) == 10.0
+    # Into the estimate: 300 MiB at the slowed 8 MiB/s, with the margin: 45 s, not 36 s.
+    slowed = in_progress_rate(10 * MIB, sent=25 * MIB, elapsed_seconds=5.0, left=75 * MIB)
+    assert next_upload_seconds([300 * MIB], slowed) == pytest.approx(45.0)
 
 
 def test_the_estimate_is_the_largest_of_the_newest_three_with_the_margin() -> None:
@@ -74,6 +107,14 @@ def test_near_the_release_both_go_when_both_fit_this_one_first() -> None:
     # In bytes: 100 MiB left + 200 MiB newer at 10 MiB/s = 36 s with the margin.
     assert not _gives_way(40.0, left=100 * MIB, newer=200 * MIB, rate=10 * MIB)
     assert _gives_way(30.0, left=100 * MIB, newer=200 * MIB, rate=10 * MIB)
+
+
+def test_near_the_release_never_for_a_newer_one_that_would_not_end_either() -> None:
+    # 50 s left (60 s with the margin) and a 200 s newer one (240 s), 100 s away: the
+    # newer one cannot end in time alone, so the running one goes on (it might).
+    assert not _gives_way(100.0, left=50.0, newer=200.0)
+    # 20 s newer (24 s): it ends alone, both do not (84 s > 70 s): it goes first.
+    assert _gives_way(70.0, left=50.0, newer=20.0)
 
 
 def test_near_the_release_an_unknown_rate_gives_way() -> None:

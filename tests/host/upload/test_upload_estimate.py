@@ -1,0 +1,59 @@
+"""The upload estimate the real daemon serves (``/v1/expiry``'s ``upload_seconds``): an
+upload in progress that is slower than the estimate assumed raises it before it ends, so
+a link that slows is seen before the final save (issue 23, item 3)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon_harness import get_json, serve_daemon, wait_for
+
+from sidecar.checkpoint.folders import atomic_checkpoint
+from sidecar.train.client import SidecarClient
+
+MIB = 1 << 20
+
+
+def saved_elsewhere(elsewhere: Path, root: Path, step: int, size: int) -> None:
+    """A complete checkpoint appears in ``root`` at once (saved in ``elsewhere``, moved
+    in), so the daemon sends it whole after the save, none of it while it was written."""
+    with atomic_checkpoint(elsewhere, step) as folder:
+        (folder / "model.pt").write_bytes(os.urandom(size))
+    name = f"step_{step:08d}"
+    os.rename(elsewhere / name, root / name)
+
+
+def test_a_slow_upload_raises_the_served_estimate_while_it_runs(tmp_path: Path) -> None:
+    local, volume, elsewhere = tmp_path / "local", tmp_path / "volume", tmp_path / "elsewhere"
+    for folder in (local, volume, elsewhere):
+        folder.mkdir()
+    saved_elsewhere(elsewhere, local, 1, 4 * MIB)
+    settings = {"sources": ("static",), "expires_at": str(time.time() + 3600),
+                "upload_from": local, "upload_to": volume.as_uri(),
+                "upload_scan_interval": 0.2, "upload_max_bandwidth": 16 * MIB}
+    with serve_daemon(**settings) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+
+        def expiry() -> Any:
+            return get_json(daemon.url + "/v1/expiry")[1]
+
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+        before = expiry()["upload_seconds"]
+        assert before is not None and 4 / 16 * 1.2 <= before < 3.0, before
+        # The link slows to 1 MiB/s (the volume's paced copy, the cap a link would be):
+        # the next checkpoint, the same 4 MiB, takes about 4 s instead of 0.25 s.
+        daemon.daemon.uploader.destination.max_bandwidth = 1 * MIB
+        saved_elsewhere(elsewhere, local, 2, 4 * MIB)
+        wait_for(lambda: expiry()["upload_status"] == "uploading", timeout=10)
+        risen = wait_for(lambda: (lambda e: e["upload_seconds"] > 2 * before and e)(expiry()),
+                         timeout=10)
+        # Seen while the slow upload runs, before it ends.
+        assert risen["upload_status"] == "uploading"
+        assert client.last_durable_step() == 1
+        wait_for(lambda: client.last_durable_step() == 2, timeout=30)
+        after = expiry()["upload_seconds"]
+        # Measured: the slow one is the tail now, 4 MiB at about 1 MiB/s, with the margin.
+        assert after >= 4 * 1.2 * 0.8 and after > risen["upload_seconds"], (after, risen)
