@@ -119,7 +119,7 @@ def lightning_save_cut_short(output: Path) -> Callable[[int], None]:
     """What a later save killed half-way leaves: its temporary name, a few bytes."""
     def leave(step: int) -> None:
         name = f"esi-epoch=0-step={step + 100}.ckpt.tmp-4242"
-        (output / "checkpoints" / name).write_bytes(b"half a checkpoint")
+        (output / name).write_bytes(b"half a checkpoint")
     return leave
 
 
@@ -127,7 +127,7 @@ FRAMEWORKS = [
     pytest.param("hf_trainer.py", ("transformers", "accelerate"), hf_checkpoints, None, 75,
                  id="hf"),
     pytest.param("lightning_module.py", ("lightning",), lightning_checkpoints,
-                 lightning_save_cut_short, 0, id="lightning"),
+                 lightning_save_cut_short, 75, id="lightning"),
 ]
 
 
@@ -153,12 +153,9 @@ def test_framework_example_saves_once_stops_and_resumes(
 def test_torch_distributed_example_every_rank_saves_at_the_same_step(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     output = tmp_path / "out"
-    # --standalone: torchrun picks a free rendezvous port on localhost itself.
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(EXAMPLES / "torch_distributed.py"), "--output", str(output),
-    ]
-    step, first, resumed = first_then_resumed(command, tmp_path)
+    command = [sys.executable, str(EXAMPLES / "torch_distributed.py"), "--nproc-per-node", "2",
+               "--output", str(output)]
+    step, first, resumed = first_then_resumed(command, tmp_path, released=EXIT_RELEASED)
     saved = re.findall(r"rank (\d): saved: checkpoint at step (\d+)", first)
     assert sorted(saved) == [("0", str(step)), ("1", str(step))], first[-3000:]
     assert sorted(re.findall(r"rank (\d): stop:", first)) == ["0", "1"]
@@ -171,11 +168,9 @@ def test_torch_distributed_example_every_rank_saves_at_the_same_step(tmp_path: P
 def test_dcp_example_every_rank_writes_its_shards_of_one_checkpoint(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     output = tmp_path / "out"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(EXAMPLES / "torch_dcp.py"), "--output", str(output),
-    ]
-    step, first, resumed = first_then_resumed(command, tmp_path)
+    command = [sys.executable, str(EXAMPLES / "torch_dcp.py"), "--nproc-per-node", "2",
+               "--output", str(output)]
+    step, first, resumed = first_then_resumed(command, tmp_path, released=EXIT_RELEASED)
     saved = re.findall(r"rank (\d): saved: checkpoint at step (\d+)", first)
     assert sorted(saved) == [("0", str(step)), ("1", str(step))], first[-3000:]
     # The asynchronous save was committed before the loop ended, on every rank.
