@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import multiprocessing
 import os
 import shlex
@@ -162,6 +163,11 @@ def launch(rank_main: Callable[[list[str]], int], argv: list[str], ranks: int) -
               "WORLD_SIZE": str(ranks)}
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    if context.get_start_method() == "fork" and "torch" in sys.modules:
+        # A rank's first optimizer imports torch._dynamo (some 800 modules, 3-8 s of CPU
+        # here): imported once before the fork, not once per rank after --release-in
+        # started counting (on one loaded core the first step came 13 s after it).
+        importlib.import_module("torch._dynamo")
     processes = [
         context.Process(target=_rank, args=(rank_main, argv, {**shared, "RANK": str(rank),
                                                                "LOCAL_RANK": str(rank)}))

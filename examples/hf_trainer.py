@@ -1,7 +1,7 @@
 """A Hugging Face Trainer that saves before the machine is released, then stops.
 
-    python examples/hf_trainer.py --steps 100000 --release-in 15 \\
-        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~30 s)
+    python examples/hf_trainer.py --steps 100000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~25 s)
     python examples/hf_trainer.py --output checkpoints/hf_trainer --steps N
                                  # the "resume:" line it printed: resumes, 50 steps, done
 
@@ -49,8 +49,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
-    client, line = follow(args.release_in)
-    print(line, flush=True)
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -68,6 +66,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         disable_tqdm=True,
         use_cpu=True,
     )
+    client, line = follow(args.release_in)  # --release-in counts from here
+    print(line, flush=True)
     # The callback builds its guard when training starts, with this policy and, under
     # torchrun, the reducer that makes every rank save at the same step.
     # EsiCheckpointCallback() alone does the same with the default policy (60 s + 120 s).

@@ -1,6 +1,6 @@
 """A Lightning module that saves before the machine is released, then stops.
 
-    python examples/lightning_module.py --steps 100000 --release-in 15 \\
+    python examples/lightning_module.py --steps 100000 --release-in 10 \\
         --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~25 s)
     python examples/lightning_module.py --output checkpoints/lightning_module --steps N
                                  # the "resume:" line it printed: resumes, 50 steps, done

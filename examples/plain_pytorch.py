@@ -1,7 +1,7 @@
 """A plain PyTorch training loop that saves before the machine is released.
 
-    python examples/plain_pytorch.py --steps 100000000 --release-in 15 \\
-        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~20 s)
+    python examples/plain_pytorch.py --steps 100000000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4     # trains 5 s, saves, exits 75 (~15 s)
     python examples/plain_pytorch.py --output checkpoints/plain_pytorch --steps N
                                  # the "resume:" line it printed: resumes, 50 steps, done
     python examples/plain_pytorch.py --steps 100000000 --sigterm-grace 25 --save-seconds 1
@@ -38,6 +38,8 @@ from sidecar.tools.demo.toy_model import build_model
 def train(model: Any, guard: CheckpointGuard, root: Path, steps: int) -> int:
     """The loop to copy. Returns the next step to run."""
     found = latest_valid(root)  # None on the first run
+    print(f"start: resuming from step {found.step} ({found.path})" if found is not None
+          else "start: from scratch", flush=True)
     step = model.load(found.path) + 1 if found is not None else 0
     logging.info("training steps %d to %d", step, steps - 1)
     while step < steps:
@@ -63,13 +65,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    model = build_model(seed=0)  # imports torch, if there, before --release-in counts
     environ = dict(os.environ)  # --release-in: this guard's environment only
     client, line = follow(args.release_in, environ)
     print(line, flush=True)
     guard = CheckpointGuard(client, policy=policy(args), environ=environ,
                             sigterm_grace_seconds=args.sigterm_grace,
                             events=args.release_in is None)
-    model = build_model(seed=0)
     next_step = train(model, guard, args.output, args.steps)
     found = latest_valid(args.output)
     status = guard.status()

@@ -1,6 +1,6 @@
 """An FSDP2 loop saving sharded checkpoints with torch.distributed.checkpoint, in time.
 
-    python examples/torch_dcp.py --nproc-per-node 2 --steps 100000 --release-in 15 \\
+    python examples/torch_dcp.py --nproc-per-node 2 --steps 100000 --release-in 10 \\
         --save-seconds 1 --redundant-seconds 4   # 2 gloo ranks: train, save, exit 75 (~25 s)
     python examples/torch_dcp.py --nproc-per-node 2 \\
         --output checkpoints/torch_dcp --steps N          # the "resume:" line it printed

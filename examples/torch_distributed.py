@@ -1,7 +1,7 @@
 """A torch.distributed (DDP) loop where every rank saves at the same step, in time.
 
-    python examples/torch_distributed.py --nproc-per-node 2 --steps 100000 --release-in 15 \\
-        --save-seconds 1 --redundant-seconds 4   # 2 gloo ranks: train, save, exit 75 (~25 s)
+    python examples/torch_distributed.py --nproc-per-node 2 --steps 100000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4   # 2 gloo ranks: train, save, exit 75 (~30 s)
     python examples/torch_distributed.py --nproc-per-node 2 \\
         --output checkpoints/torch_distributed --steps N    # the "resume:" line it printed
     torchrun --nproc-per-node 2 examples/torch_distributed.py --steps 300   # the same ranks
