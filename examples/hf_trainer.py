@@ -1,7 +1,7 @@
 """A Hugging Face Trainer that saves before the machine is released, then stops.
 
-    python examples/hf_trainer.py --steps 100000 --release-in 15 \\
-        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~30 s)
+    python examples/hf_trainer.py --steps 100000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~25 s)
     python examples/hf_trainer.py --output checkpoints/hf_trainer --steps N
                                  # the "resume:" line it printed: resumes, 50 steps, done
 
@@ -19,30 +19,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from example_support import add_options, exit_status, follow, policy, resume_line
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from sidecar import EXIT_RELEASED, SavePolicy
 from sidecar.integrations.transformers import EsiCheckpointCallback, latest_complete_checkpoint
-from sidecar.train.client import SidecarClient
-from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
-from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
-
-DEFAULT_OUTPUT = Path("checkpoints") / "hf_trainer"  # under the working folder: it stays
-
-
-class ReleaseInOnly(SidecarClient):
-    """A client that never asks a daemon: with ``--release-in`` that deadline wins."""
-
-    def expiry(self) -> None:
-        self.last_error = "not asked: --release-in sets the deadline"
-        return None
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -61,40 +45,10 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=DEFAULT_OUTPUT,
-        help="checkpoint-<step> folders go here; a rerun resumes from the newest "
-        f"(default: ./{DEFAULT_OUTPUT})",
-    )
-    parser.add_argument(
-        "--release-in",
-        type=float,
-        default=None,
-        help="pretend the machine is released in this many seconds (sets "
-        f"{ENV_DEADLINE_VARIABLES[0]} for this process); it wins over a running "
-        "daemon, which is then not asked",
-    )
-    parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
-    parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
-    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
-                        type=lambda text: None if text == "off" else float(text),
-                        help="margin of the top-up save after the final one ('off': none; "
-                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
+    add_options(parser, "hf_trainer", steps=300)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
-    client = SidecarClient()
-    if args.release_in is not None:
-        os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
-        client = ReleaseInOnly()
-        at = time.strftime("%H:%M:%S", time.localtime(time.time() + args.release_in))
-        print(f"deadline: --release-in {args.release_in:g} s (at {at}); no daemon is asked")
-    else:
-        print(f"deadline: the daemon's at {', '.join(client.urls)} "
-              f"(without one: {' or '.join(ENV_DEADLINE_VARIABLES)})")
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -112,13 +66,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         disable_tqdm=True,
         use_cpu=True,
     )
+    client, line = follow(args.release_in)  # --release-in counts from here
+    print(line, flush=True)
     # The callback builds its guard when training starts, with this policy and, under
     # torchrun, the reducer that makes every rank save at the same step.
     # EsiCheckpointCallback() alone does the same with the default policy (60 s + 120 s).
     esi = EsiCheckpointCallback(
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds,
-                   top_up_seconds=args.top_up_seconds),
-        client=client, events=args.release_in is None,
+        policy=policy(args), client=client, events=args.release_in is None,
     )
     trainer = Trainer(
         model=model, args=training_args, train_dataset=RandomTokens(), callbacks=[esi]
@@ -145,10 +99,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"done: trained {step}/{args.steps} steps; deadline from "
           f"{status.deadline_source or 'nowhere'}")
     if esi.stopped and saved:
-        # A few steps past the checkpoint, so the resumed run ends soon on any machine.
-        print(f"resume: python {sys.argv[0]} --output {args.output} --steps {saved_step + 50}")
-    if esi.guard.released:
-        raise SystemExit(EXIT_RELEASED)
+        print(resume_line(args.output, saved_step))
+    raise SystemExit(exit_status(esi.guard.released))
 
 
 if __name__ == "__main__":

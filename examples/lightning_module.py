@@ -1,37 +1,35 @@
 """A Lightning module that saves before the machine is released, then stops.
 
-    python examples/lightning_module.py --steps 100000 --release-in 190   # trains ~10 s, saves
-    python examples/lightning_module.py --steps 300                       # resumes from it
+    python examples/lightning_module.py --steps 100000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4     # trains a few s, saves, exits 75 (~25 s)
+    python examples/lightning_module.py --output checkpoints/lightning_module --steps N
+                                 # the "resume:" line it printed: resumes, 50 steps, done
 
 The callback asks the daemon ($ESI_SIDECAR_URL, default http://127.0.0.1:8791) after every
 optimizer step; without a daemon it falls back to the platform's capacity-block variable,
-which ``--release-in`` sets for this process only. When the deadline is near it calls
-``trainer.save_checkpoint`` once (``esi-epoch=E-step=S.ckpt``, renamed into place once
-complete) and stops the Trainer; the next start passes the newest such file as
-``ckpt_path``. A tiny regression model on random data, on the CPU.
-"""
+which ``--release-in`` sets for this process only (the daemon is then not asked: that
+deadline wins; the first line printed says which one is followed). When the deadline is
+near it calls ``trainer.save_checkpoint`` once (``esi-epoch=E-step=S.ckpt``, renamed into
+place once complete), waits for the release and stops the Trainer; the script then exits
+with ``EXIT_RELEASED`` (75). The next start passes the newest such file as ``ckpt_path``.
+A tiny regression model on random data, on the CPU."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from example_support import add_options, exit_status, follow, policy, resume_line
 
-from sidecar import SavePolicy
 from sidecar.integrations.lightning import (
     EsiCheckpointCallback,
     checkpoint_step,
     latest_checkpoint,
 )
-from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
-from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 
 class TinyRegression(pl.LightningModule):
@@ -60,41 +58,19 @@ def random_data() -> torch.utils.data.DataLoader:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps in all")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "esi-examples" / "lightning_module",
-        help="checkpoints go to OUTPUT/checkpoints; a rerun resumes from the newest",
-    )
-    parser.add_argument(
-        "--release-in",
-        type=float,
-        default=None,
-        help="pretend the machine is released in this many seconds (sets "
-        f"{ENV_DEADLINE_VARIABLES[0]} for this process)",
-    )
-    parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
-    parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
-    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
-                        type=lambda text: None if text == "off" else float(text),
-                        help="margin of the top-up save after the final one ('off': none; "
-                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
+    add_options(parser, "lightning_module", steps=300)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
-    if args.release_in is not None:
-        os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
+    client, line = follow(args.release_in)
+    print(line, flush=True)
 
-    checkpoints = args.output / "checkpoints"
+    checkpoints: Path = args.output
     # The callback builds its guard inside trainer.fit(), once the strategy has set up
     # torch.distributed: with devices > 1 it then has the reducer that makes every rank
     # save at the same step. (A guard built here, before fit, could not have it.)
-    esi = EsiCheckpointCallback(
-        dirpath=checkpoints,
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds,
-                   top_up_seconds=args.top_up_seconds),
-    )
+    esi = EsiCheckpointCallback(dirpath=checkpoints, policy=policy(args), client=client,
+                                events=args.release_in is None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -117,13 +93,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     trainer.fit(TinyRegression(), train_dataloaders=random_data(), ckpt_path=ckpt_path)
 
     status = esi.guard.status()  # built by the callback at the start of training
-    if esi.saves:
-        print(f"saved: checkpoint at step {trainer.global_step} -> {esi.last_checkpoint_path}")
+    step = trainer.global_step
+    saved = latest_checkpoint(checkpoints)  # the newest: the top-up save when there was one
+    saved_step = None if saved is None else checkpoint_step(saved)
+    if esi.saves and saved:
+        print(f"saved: checkpoint at step {saved_step} -> {saved.resolve()}")
     if esi.stopped:
-        print(f"stop: step {trainer.global_step}")  # the guard logged why
+        print(f"stop: step {step}")  # the guard logged why
     # Otherwise the run is complete: save your final model here as usual.
-    print(f"done: trained {trainer.global_step}/{args.steps} steps; deadline from "
+    print(f"done: trained {step}/{args.steps} steps; deadline from "
           f"{status.deadline_source or 'nowhere'}")
+    if esi.stopped and saved_step is not None:
+        print(resume_line(args.output, saved_step))
+    raise SystemExit(exit_status(esi.guard.released))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """An FSDP2 loop saving sharded checkpoints with torch.distributed.checkpoint, in time.
 
-    torchrun --nproc-per-node 2 examples/torch_dcp.py --steps 100000 --release-in 190
-    torchrun --nproc-per-node 2 examples/torch_dcp.py --steps 300     # resumes
-    python examples/torch_dcp.py --steps 300                          # one process
+    python examples/torch_dcp.py --nproc-per-node 2 --steps 100000 --release-in 10 \\
+        --save-seconds 1 --redundant-seconds 4   # 2 gloo ranks: train, save, exit 75 (~25 s)
+    python examples/torch_dcp.py --nproc-per-node 2 \\
+        --output checkpoints/torch_dcp --steps N          # the "resume:" line it printed
+    torchrun --nproc-per-node 2 examples/torch_dcp.py --steps 300   # the same ranks
 
 Every rank holds a shard of the model and writes it: ``DistributedCheckpoint`` has rank 0
 open one temporary folder for all of them and commit it (manifest last, then ``latest``)
@@ -12,32 +14,26 @@ waits only while the state is copied off the training tensors; the guard counts 
 checkpoint as saved only once committed, and budgets the background write like an upload.
 Keep OUTPUT on storage every rank sees. Each node asks its own daemon ($ESI_SIDECAR_URL,
 default http://127.0.0.1:8791); ``--release-in`` fakes a near deadline through the
-capacity-block variable instead. gloo on the CPU here; "cpu:gloo,cuda:nccl" and the GPU
-for real runs.
-"""
+capacity-block variable instead (the daemon is then not asked). Ranks and exit status as
+in torch_distributed.py (75 at the release). gloo on the CPU here; "cpu:gloo,cuda:nccl"
+and the GPU for real runs."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
-import tempfile
-import time
-from pathlib import Path
 from typing import Any, Optional
 
+import example_support as support
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
-from sidecar import SavePolicy
 from sidecar.integrations.dcp import DistributedCheckpoint
 from sidecar.integrations.distributed import distributed_guard
-from sidecar.train.deadline import ENV_DEADLINE_VARIABLES
-from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 
 class TrainState(Stateful):
@@ -72,41 +68,27 @@ def say(rank: int, text: str) -> None:
     print(f"rank {rank}: {text}\n", end="", flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps in all")
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=Path(tempfile.gettempdir()) / "esi-examples" / "torch_dcp",
-        help="step_<N> checkpoint folders go here; a rerun resumes from the newest valid",
-    )
-    parser.add_argument(
-        "--release-in",
-        type=float,
-        default=None,
-        help="pretend the machine is released in this many seconds (sets "
-        f"{ENV_DEADLINE_VARIABLES[0]} for this process)",
-    )
-    parser.add_argument("--save-seconds", type=float, default=60.0, help="assumed save time")
-    parser.add_argument("--redundant-seconds", type=float, default=120.0, help="safety margin")
-    parser.add_argument("--top-up-seconds", default=DEFAULT_TOP_UP_SECONDS,
-                        type=lambda text: None if text == "off" else float(text),
-                        help="margin of the top-up save after the final one ('off': none; "
-                        f"default {DEFAULT_TOP_UP_SECONDS:g})")
+    support.add_options(parser, "torch_dcp", steps=300, ranks=True)
     parser.add_argument("--async", dest="asynchronous", action=argparse.BooleanOptionalAction,
                         default=True, help="save with async_save (default) or save")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def rank_main(argv: list[str]) -> int:
+    """One rank's run; its exit status."""
+    args = parse(argv)
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sidecar").setLevel(logging.INFO)  # "checkpoint now: ..." and why
-    if args.release_in is not None:
-        os.environ[ENV_DEADLINE_VARIABLES[0]] = str(time.time() + args.release_in)
 
-    distributed = "RANK" in os.environ  # set by torchrun
+    distributed = "RANK" in os.environ  # set by torchrun, or by --nproc-per-node
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
-
+    client, line = support.follow(args.release_in)  # after init: one deadline for all
+    if rank == 0:
+        print(line, flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     if distributed:  # each rank keeps a shard of every parameter
@@ -118,10 +100,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     state = TrainState(model, optimizer)
 
     # After init_process_group: the guard and the checkpoint then agree across the ranks.
-    guard = distributed_guard(
-        policy=SavePolicy(save_seconds=args.save_seconds, redundant_seconds=args.redundant_seconds,
-                          top_up_seconds=args.top_up_seconds)
-    )
+    guard = distributed_guard(policy=support.policy(args), client=client,
+                              events=args.release_in is None)
     checkpoints = DistributedCheckpoint(args.output, guard=guard, keep_last=2)
     found = checkpoints.load({"train": state})  # collective: rank 0 picks, all load it
     if found is not None:
@@ -150,8 +130,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if distributed:
         dist.barrier()  # leave together: a peer tearing down gloo early can abort the others
         dist.destroy_process_group()
+    if rank == 0 and not support.launched():
+        support.finished(args, stopped=state.step < args.steps, torchrun=distributed)
+    return support.exit_status(guard.released)
 
 
 if __name__ == "__main__":
-    main()
-    gc.collect()  # as in torch_distributed.py: collect cycles while the interpreter is whole
+    raise SystemExit(support.ranks_main(parse, rank_main))
