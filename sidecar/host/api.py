@@ -31,7 +31,8 @@ from sidecar import __version__
 from sidecar.host.auth import RequireToken
 from sidecar.host.drill import DrillBoard
 from sidecar.host.drill_api import DrillCollector, add_drill_routes
-from sidecar.host.events import EventHistory, add_event_routes
+from sidecar.host.event_routes import add_event_routes
+from sidecar.host.events import EventHistory
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
 from sidecar.host.protection import ProtectionBoard
 from sidecar.host.query import digits

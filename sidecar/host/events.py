@@ -18,23 +18,17 @@ the most, so a flood by one job pushes out its own events, not another's (issue 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
 import reprlib
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Callable, Literal, Optional
 
-from fastapi import FastAPI, Query, Request
-from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -47,9 +41,8 @@ from pydantic import (
 from sidecar.host.connections import HEADER_TIMEOUT_SECONDS
 from sidecar.host.drill_event import DrillReport
 from sidecar.host.event_limits import KeyedBuckets
-from sidecar.host.query import digits
 
-__all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "add_event_routes"]
+__all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "problem_line"]
 
 log = logging.getLogger("sidecar.host.events")
 
@@ -170,9 +163,6 @@ class Summary(BaseModel):
     decision_at_unix: Optional[UnixTime] = None
 
 
-_ONE = TypeAdapter(JobEvent)
-_BATCH = TypeAdapter(Annotated[list[JobEvent], Field(min_length=1,
-                                                     max_length=MAX_EVENTS_PER_REQUEST)])
 _STORED = TypeAdapter(Annotated[list[StoredEvent], Field(max_length=HISTORY_LENGTH)])
 _STATES: dict[str, JobState] = {"save-started": "saving", "save-finished": "training",
                                 "waiting": "waiting", "resumed": "training", "stop": "stopped"}
@@ -494,7 +484,12 @@ def _served_summary(summary: Summary, now: float) -> dict[str, Any]:
 
 
 def _first_problem(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False, include_input=False, include_context=False)[0]
+    return problem_line(exc.errors(include_url=False, include_input=False,
+                                   include_context=False)[0])
+
+
+def problem_line(error: Mapping[str, Any]) -> str:
+    """One of pydantic's errors as one line: ``[1].seconds: <message>``."""
     return f"{_where(error['loc'])}: {error['msg']}"
 
 
@@ -502,97 +497,3 @@ def _where(loc: tuple[Any, ...]) -> str:
     """``(1, "seconds")`` -> ``[1].seconds``; ``("seconds",)`` -> ``seconds``."""
     text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc)
     return text.lstrip(".") or "body"
-
-
-def _refused(status: int, message: str, detail: Optional[list[Any]] = None,
-             close: bool = False) -> Response:
-    # The shape of the API's other 422s: one line naming the field, then pydantic's list.
-    body = {"error": message, "detail": detail or []}
-    return Response(json.dumps(body, separators=(",", ":")), status_code=status,
-                    media_type="application/json",
-                    headers={"Connection": "close"} if close else None)
-
-
-async def _read_body(request: Request) -> Optional[bytes]:
-    """The request body, or None when it is larger than MAX_BODY_BYTES: then the rest is
-    read and thrown away, up to MAX_DISCARDED_BYTES within DISCARD_SECONDS, and no further
-    (a declared length over that is not read at all)."""
-    declared = request.headers.get("content-length", "")
-    stream = request.stream()  # one stream: Starlette's request gives only one
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        if int(declared) <= MAX_DISCARDED_BYTES:
-            await _discard(stream, 0)
-        return None
-    chunks, size = [], 0
-    async for chunk in stream:
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            await _discard(stream, size)
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _discard(stream: AsyncIterator[bytes], size: int) -> None:
-    """Read the rest of the body and drop it, while it stays within the bounds."""
-    async def read_rest() -> None:
-        nonlocal size
-        async for chunk in stream:
-            size += len(chunk)
-            if size > MAX_DISCARDED_BYTES:
-                return
-
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(read_rest(), DISCARD_SECONDS)
-
-
-# Documented by hand: the body is read here, capped, before pydantic sees it (FastAPI's own
-# body parameter would read any size first).
-_EVENT_SCHEMA = JobEvent.model_json_schema()
-_REQUEST_BODY = {
-    "required": True,
-    "description": "One event object, or a list of 1 to "
-                   f"{MAX_EVENTS_PER_REQUEST}; at most {MAX_BODY_BYTES // 1024} KiB",
-    "content": {"application/json": {"schema": {"anyOf": [
-        _EVENT_SCHEMA,
-        {"type": "array", "items": _EVENT_SCHEMA, "minItems": 1,
-         "maxItems": MAX_EVENTS_PER_REQUEST},
-    ]}}},
-}
-
-
-def add_event_routes(app: FastAPI, history: EventHistory,
-                     clock: Callable[[], float] = time.time) -> None:
-    """``POST /v1/events`` and ``GET /v1/events`` on ``app`` (docs/events.md)."""
-    @app.post("/v1/events", status_code=202, summary="A job's events: kept, never acted on",
-              openapi_extra={"requestBody": _REQUEST_BODY},
-              responses={413: {"description": "body over 64 KiB"},
-                         422: {"description": "an invalid event: the error names the field"}})
-    async def post_events(request: Request) -> Response:
-        raw = await _read_body(request)
-        if raw is None:
-            history.reject("too-large")
-            # Closed after the answer: the rest of a body, if any, is never read.
-            return _refused(413, f"body: more than {MAX_BODY_BYTES} bytes", close=True)
-        now = clock()
-        batch = raw.lstrip()[:1] == b"["
-        try:
-            events = (_BATCH if batch else _ONE).validate_json(raw, context={"now": now})
-        except ValidationError as exc:
-            history.reject("invalid")
-            detail = exc.errors(include_url=False, include_input=False, include_context=False)
-            problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in detail[:5])
-            return _refused(422, problems, [dict(e) for e in detail[:20]])
-        peer = None if request.client is None else request.client.host
-        counts = history.add(events if isinstance(events, list) else [events], now, peer)
-        return Response(json.dumps(counts, separators=(",", ":")), status_code=202,
-                        media_type="application/json")
-
-    @app.get("/v1/events", summary="Job events on this node, newest first, and a summary")
-    async def get_events(
-        limit: Annotated[int, Query(ge=0, le=MAX_LIMIT, description=(
-            f"newest events to list, 0 to {MAX_LIMIT}, written in digits")),
-            BeforeValidator(digits)] = 100,
-    ) -> Response:
-        return Response(json.dumps(history.body(limit, clock()), separators=(",", ":")),
-                        media_type="application/json")

@@ -6,14 +6,13 @@ node table that Ray Train's ``PreemptionWatcher`` polls) and by that watcher its
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
+from ray_cluster import local_cluster, node_index
 
 from sidecar.integrations.ray_drain import drain_supported
 from sidecar.tools.emulator import Emulator
@@ -30,25 +29,8 @@ def test_the_drain_call_is_used_from_the_ray_release_it_was_checked_against() ->
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # one machine, loopback only
-    ray = pytest.importorskip("ray", reason="make test installs ray")
-    from ray.cluster_utils import Cluster
-
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    started = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"esi_node_0": 1}, "include_dashboard": False})
-    for index in range(1, NODES):
-        started.add_node(num_cpus=1, resources={f"esi_node_{index}": 1})
-    try:
-        ray.init(address=started.address, include_dashboard=False, log_to_driver=False)
-        started.wait_for_nodes()
+    with local_cluster(NODES) as started:
         yield started
-    finally:
-        ray.shutdown()
-        started.shutdown()
-        for sig, handler in handlers.items():  # Ray leaves its own behind
-            signal.signal(sig, handler)
-        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
 
 
 @pytest.fixture
@@ -70,11 +52,6 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Emulator, Any]
         yield made
 
 
-def _index(entry: dict[str, Any]) -> int:
-    return next(int(name.rsplit("_", 1)[1]) for name in entry["Resources"]
-                if name.startswith("esi_node_"))
-
-
 def test_a_close_deadline_drains_its_node_once_and_a_renewal_moves_the_drain(
         cluster: Any, nodes: list[tuple[Emulator, Any]], caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -82,9 +59,9 @@ def test_a_close_deadline_drains_its_node_once_and_a_renewal_moves_the_drain(
 
     from sidecar.integrations.ray_nodes import NodeDeadlines
 
-    ids = {_index(entry): entry["NodeID"] for entry in ray.nodes() if entry["Alive"]}
+    ids = {node_index(entry): entry["NodeID"] for entry in ray.nodes() if entry["Alive"]}
     # A 2 s timeout: the machine that runs the tests may be busy (0.5 s in production).
-    deadlines = NodeDeadlines(lambda entry: str(nodes[_index(entry)][1].url),
+    deadlines = NodeDeadlines(lambda entry: str(nodes[node_index(entry)][1].url),
                               timeout=2.0, drain_within=900)
 
     def draining() -> dict[str, int]:  # what Ray Train's PreemptionWatcher polls

@@ -6,8 +6,6 @@ a moved deadline on one node, and keeps a node's last deadline when its daemon d
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 from daemon_harness import serve_daemon, wait_for
 from drill_support import DrillScript
+from ray_cluster import local_cluster, node_index
 
 from sidecar.tools.emulator import Emulator
 from sidecar.train.guard import CheckpointGuard
@@ -26,29 +25,8 @@ NODES = 3
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    # Ray picks the host's address for its cluster unless told this is a one-machine
-    # cluster; the tests reach loopback only.
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray = pytest.importorskip("ray", reason="make test installs ray")
-    from ray.cluster_utils import Cluster
-
-    # Ray (the cluster's head, ray.init) installs signal handlers in this process and
-    # leaves them after shutdown: put back what was there, or later tests see Ray's.
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    started = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"esi_node_0": 1}, "include_dashboard": False})
-    for index in range(1, NODES):
-        started.add_node(num_cpus=1, resources={f"esi_node_{index}": 1})
-    try:
-        ray.init(address=started.address, include_dashboard=False, log_to_driver=False)
-        started.wait_for_nodes()
+    with local_cluster(NODES) as started:
         yield started
-    finally:
-        ray.shutdown()
-        started.shutdown()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
 
 
 @pytest.fixture
@@ -74,9 +52,7 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Emulator, Any,
 
 def url_for(nodes: list[tuple[Emulator, Any, Any]]) -> Any:
     def url(entry: dict[str, Any]) -> str:
-        index = next(int(name.rsplit("_", 1)[1]) for name in entry["Resources"]
-                     if name.startswith("esi_node_"))
-        return str(nodes[index][1].url)
+        return str(nodes[node_index(entry)][1].url)
 
     return url
 

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 from daemon_harness import serve_daemon, wait_for
@@ -87,11 +87,13 @@ def test_guard_outside_the_window_does_not_save() -> None:
         assert status.reason.startswith("remaining ")
 
 
-def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
-    now = time.time()
-    wall = [now]
-    monotonic = FakeMonotonic()
-    # poll_interval is long so that the test, not the poller, sets what the store serves.
+@contextmanager
+def _final_save_made(now: float, wall: list[float], monotonic: FakeMonotonic
+                     ) -> Iterator[tuple[Any, CheckpointGuard]]:
+    """A daemon serving a deadline ``now + 200`` and a guard (clocks ``wall[0]`` and
+    ``monotonic``) that made its final save for it and stops: covered until about
+    now + 221 s (+ 120 s to re-arm). The daemon's poll_interval is long so that the test,
+    not the poller, sets what the store serves."""
     with static_daemon(now + 200, poll_interval=3600) as daemon:
         guard = simple_guard(
             SidecarClient(daemon.url),
@@ -104,7 +106,14 @@ def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
         with guard.saving():
             pass
         assert guard.should_stop()
+        yield daemon, guard
 
+
+def test_guard_rearms_when_the_daemon_moves_the_deadline_later() -> None:
+    now = time.time()
+    wall = [now]
+    monotonic = FakeMonotonic()
+    with _final_save_made(now, wall, monotonic) as (daemon, guard):
         later = now + 200 + 7200
         daemon.store.record_success("static", Observation(expires_at_unix=later))
         monotonic.advance(1.0)  # the next refresh is due
@@ -792,19 +801,7 @@ def test_a_deadline_back_inside_the_old_cover_after_a_renewal_gets_its_own_save(
     now = time.time()
     wall = [now]
     monotonic = FakeMonotonic()
-    with static_daemon(now + 200, poll_interval=3600) as daemon:
-        guard = simple_guard(
-            SidecarClient(daemon.url),
-            policy=SavePolicy(save_seconds=100.0, top_up_seconds=None),
-            clock=lambda: wall[0],
-            monotonic=monotonic,
-        )
-        guard.record_step(1.0)
-        assert guard.should_save()
-        with guard.saving():
-            pass
-        assert guard.should_stop()  # covered until about now + 221 s (+ 120 s to re-arm)
-
+    with _final_save_made(now, wall, monotonic) as (daemon, guard):
         daemon.store.record_success("static", Observation(expires_at_unix=now + 7400))
         monotonic.advance(1.0)
         assert guard.should_stop() is False  # renewed: training goes on
