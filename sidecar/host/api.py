@@ -37,6 +37,7 @@ from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
 from sidecar.host.protection import ProtectionBoard
 from sidecar.host.query import digits
 from sidecar.host.reclaims import ReclaimLedger
+from sidecar.host.reclaims_api import add_reclaim_routes
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -234,11 +235,8 @@ def create_app(
         async def protection_verdicts() -> Response:
             return _json(protection.body(clock()))
 
-    if reclaims is not None:
-        @app.get("/v1/reclaims", summary="What each release cost: GPU time lost, idle, "
-                 "redone, saves (docs/protection.md)")
-        async def reclaim_costs() -> Response:
-            return _json(reclaims.body())
+    if reclaims is not None:  # GET, and POST from a restore (sidecar.host.reclaims_api)
+        add_reclaim_routes(app, reclaims, clock)
 
     @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",
              response_class=Response)

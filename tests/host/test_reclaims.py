@@ -129,3 +129,33 @@ def test_the_ledger_keeps_its_accounts_across_a_restart() -> None:
         assert "costs[0]" in str(exc)
     else:
         raise AssertionError("a bad section was loaded")
+
+
+def test_a_restore_posts_its_account_once_and_a_bad_one_is_refused() -> None:
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    from daemon_harness import get_json, serve_daemon
+
+    def post(url: str, body: object) -> int:
+        request = urllib.request.Request(url + "/v1/reclaims", method="POST",
+                                         data=_json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            with exc:
+                return int(exc.code)
+
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
+        account = {"released_unix": 1_700_000_100.0, "state_unix": 1_700_000_000.0,
+                   "resumed_step": 12}
+        assert post(daemon.url, account) == 201
+        assert post(daemon.url, account) == 200  # the same release: not counted twice
+        assert post(daemon.url, {**account, "state_unix": "x"}) == 422
+        assert post(daemon.url, {**account, "extra": 1}) == 422
+        body = get_json(daemon.url + "/v1/reclaims")[1]
+    assert body["count"] == 1 and body["lost_seconds_total"] == 100.0
+    assert body["reclaims"][0]["closed_by"] == "restore"
+    assert body["reclaims"][0]["resumed_step"] == 12

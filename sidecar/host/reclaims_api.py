@@ -1,0 +1,94 @@
+"""``GET /v1/reclaims`` and ``POST /v1/reclaims``: the accounts, and the one a restore closes.
+
+``esi-sidecar restore --released-at T`` on the next machine knows when the previous one
+went and, from the manifest of the checkpoint it restored, the state the job resumes from.
+It posts those facts here (docs/protection.md, "What each reclaim cost"); the account is
+made with the one rule (``sidecar.train.reclaim_cost``) and kept in the ledger like the
+daemon's own, so ``/v1/reclaims``, ``/metrics`` and the status page show it. Idempotent:
+the same release posted again is not counted twice. Who may post: the daemon's usual rule
+for writes (loopback, beyond it the token: ``sidecar.host.auth``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from sidecar.host.reclaims import ReclaimLedger
+from sidecar.train.reclaim_cost import ReleaseCost, release_cost
+
+__all__ = ["MAX_BODY_BYTES", "add_reclaim_routes", "cost_of_restore"]
+
+MAX_BODY_BYTES = 4096
+_FIELDS = {"released_unix", "state_unix", "resumed_step", "checkpoint"}
+
+
+def _answer(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status,
+                    media_type="application/json")
+
+
+def cost_of_restore(raw: bytes, now: float) -> ReleaseCost:
+    """The account a restore posted, or ValueError naming the problem. Idle and redone
+    cannot be told apart from the next machine: the time after the state counts as
+    redone."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("body: not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("body: not a JSON object")
+    unknown = set(body) - _FIELDS
+    if unknown:
+        raise ValueError(f"body: unknown field(s) {', '.join(sorted(unknown))[:100]}")
+    times = {}
+    for name in ("released_unix", "state_unix"):
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and 0 < value <= now + 86400):
+            raise ValueError(f"{name}: not a Unix time up to a day ahead: {value!r:.40}")
+        times[name] = float(value)
+    if times["state_unix"] > times["released_unix"]:
+        raise ValueError("state_unix: after released_unix (the state restored is newer "
+                         "than the release)")
+    step = body.get("resumed_step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"resumed_step: not a step: {step!r:.40}")
+    released, state = times["released_unix"], times["state_unix"]
+    return release_cost(released_unix=released, state_unix=state, resumed_step=step,
+                        trained=[(state, released)], closed_by="restore")
+
+
+def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
+                       clock: Callable[[], float]) -> None:
+    """The accounts (GET) and the account of a restore (POST)."""
+
+    @app.get("/v1/reclaims", summary="What each release cost: GPU time lost, idle, "
+             "redone, saves (docs/protection.md)")
+    async def reclaim_costs() -> Response:
+        return _answer(ledger.body())
+
+    @app.post("/v1/reclaims", status_code=201,
+              summary="The account of the previous machine's release, from a restore",
+              responses={200: {"description": "that release is accounted already"},
+                         413: {"description": "a body over 4 KiB"},
+                         422: {"description": "a malformed account"}})
+    async def close_account(request: Request) -> Response:
+        declared = request.headers.get("content-length", "")
+        too_large = _answer({"error": f"body: more than {MAX_BODY_BYTES} bytes"}, 413)
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return too_large
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return too_large
+        try:
+            cost = cost_of_restore(raw, clock())
+        except ValueError as exc:
+            return _answer({"error": str(exc)}, 422)
+        recorded = ledger.record(cost)
+        return _answer({"recorded": recorded, "reclaim": cost.to_json()},
+                       201 if recorded else 200)
