@@ -203,8 +203,8 @@ class SavePolicy:
     - ``top_up_seconds``: the margin a top-up save keeps before the release (default
       5); None: no top-up, stop right after the final save.
     - ``try_late_saves``: start the save even when less time is left than its padded
-      estimate (save and upload x ``save_margin``): True always, False never, "expected"
-      (default; docs/simulation.md, "Late saves") when the unpadded time still fits. A cut
+      estimate (save and upload x ``save_margin``): True always, False never (default),
+      "expected" when the unpadded time still fits (docs/simulation.md, "Late saves"). A cut
       save loses only steps lost anyway, but keeps a SIGTERM'd job from leaving cleanly.
       Once the deadline has passed with no save made for it, the machine runs on
       borrowed time: one best-effort save is always asked, then stop.
@@ -220,7 +220,7 @@ class SavePolicy:
     save_margin: float = 1.2
     save_window: int = 5
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
-    try_late_saves: Union[bool, str] = "expected"
+    try_late_saves: Union[bool, str] = False
 
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)

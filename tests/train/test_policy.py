@@ -590,9 +590,9 @@ def test_invalid_save_deadline_is_rejected(deadline: float) -> None:
 
 
 def test_a_late_save_starts_when_its_unpadded_time_fits() -> None:
-    # The default ("expected"): 50 s left, a 30 s save x1.2 and a 20 s upload = 56 s
+    # "expected": 50 s left, a 30 s save x1.2 and a 20 s upload = 56 s
     # padded, 46.7 s without the x1.2: started; 40 s left is too late even unpadded.
-    policy = policy_with_step(20.0)
+    policy = policy_with_step(20.0, try_late_saves="expected")
     policy.record_save(30.0, started_unix=NOW - 5000, deadline_unix=None)
     policy.record_step(20.0)
     assert policy.evaluate(NOW, NOW + 50.0, upload_seconds=20.0).save_now
