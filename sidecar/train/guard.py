@@ -511,6 +511,8 @@ class CheckpointGuard:
             upload_seconds=vote.upload_seconds,
             steps_after_final=UNKNOWN_AFTER_FINAL if after_final is None else after_final,
             typical_step_seconds=vote.typical_step_seconds,
+            # Ranks measure apart: across ranks, the fixed margin ("auto" is per process).
+            margin_seconds=policy.margin_for(None, 0.0, None) if collective else None,
         )
         self._drill.decided(vote, decision, agreed=reduce)
         decision = with_routine(decision, vote.routine_overdue_seconds)

@@ -7,11 +7,9 @@ The rule (ARCHITECTURE.md, and verl's ``should_save_ckpt_esi``)::
 What this module does better than the seed in verl
 (``verl/utils/checkpoint/checkpoint_manager.py``):
 
-- ``T_max_step`` is a statistic ("max", "p95" or "p99") over a sliding window of the most
-  recent steps, not the running max since start: one slow warm-up step (compilation,
-  data-loader start) no longer inflates the budget for the whole run. A step is the time
-  the loop takes from one decision to the next (``sidecar.train.step_time``), not only
-  the span of the training step: the rule budgets the wait for the next decision.
+- ``T_max_step`` is a statistic ("max", "p95" or "p99") over a sliding window of recent
+  steps, not the running max since start (a slow warm-up step is forgotten). A step is
+  the loop's time from one decision to the next (``sidecar.train.step_time``).
 - ``T_save`` follows measured saves instead of a fixed 60 s (see :meth:`SavePolicy.save_estimate`).
 - It saves ONCE per deadline. The seed stays true for every step inside the window and
   saves again and again, each save eating into the time left. Here a save made for a
@@ -20,40 +18,24 @@ What this module does better than the seed in verl
   kept for clock error (:meth:`SavePolicy.rearm_after_seconds`): a deadline read a
   second later (jitter, an answer rounded to the second) is the same deadline.
 - A save counts as made for a deadline only when that deadline was known when the save
-  started and already inside the save's window (``deadline <= started + budget``). A
-  routine save made before any deadline was known, or while it was still far away,
-  disarms nothing: a notice arriving soon after it still gets its own final save, so
-  the training done since the routine save is not lost. A routine (periodic) save made
-  while the deadline is known and inside the window is the final save. Until the next
-  training step, though, every save covers like a final one: a deadline learned while
-  it was being written finds the job with nothing unsaved, and another save could
-  only repeat it (or be cut by the release).
+  started and already inside the save's window (``deadline <= started + budget``): a
+  routine save made earlier disarms nothing, so a notice soon after it still gets its own
+  final save. Until the next training step, though, every save covers like a final one
+  (a deadline learned while it was written finds nothing unsaved).
 - After the covering save (the *final* save), one *top-up* save may follow: while another
-  step plus a save (plus its upload) still fits before the deadline with a small margin
-  (``top_up_seconds``, much smaller than the 120 s), training goes on, and when the next
-  step would no longer fit, the top-up save is made. "A step" is the median of the
-  window here, not the max: a rare slow step meeting the top-up cuts only the top-up.
-  It risks nothing: the final save is already made (and, with an uploader, its upload
-  is budgeted to finish first), and a top-up cut by the release leaves the final
-  checkpoint as the one resume picks (the commit is atomic). It wins back most of the
-  margin that the final save keeps in hand. Then ``stop`` turns true: no further step
-  can be saved in time.
+  step (the window's median) plus a save and its upload still fits before the deadline
+  with a small margin (``top_up_seconds``), training goes on; when the next would not
+  fit, the top-up is made. It risks nothing: the final save is made (its upload goes
+  first), and a cut top-up leaves the final checkpoint as the one resume picks. It wins
+  back most of the final save's margin. Then ``stop`` turns true.
 
-Decided and left as they are (see docs/simulation.md, stress workloads):
+Decided and left as they are (docs/simulation.md, stress workloads): a save never
+measured is assumed to take ``save_seconds`` (60 s; a larger default would stop every
+other job early for nothing: set it, or time routine saves through the guard); a spike
+rarer than the ``window`` of steps is forgotten like a warm-up step (nothing tells them
+apart: a longer ``window`` keeps it).
 
-- Until a save was measured, it is assumed to take ``save_seconds`` (60 s). A job whose
-  saves take longer and that only ever saves at the deadline starts that save too late;
-  set ``save_seconds``, or time routine saves through the guard so that the final save
-  uses a measured value. A larger default would stop every other job earlier than
-  needed, for nothing, so there is no better default to pick.
-- The step estimate looks at the last ``window`` (100) steps so that a slow warm-up step
-  is forgotten; a spike rarer than the window (a validation step every 150 steps) is
-  forgotten too. Nothing in the step times alone tells a one-off warm-up from a rare
-  recurring spike, so the remedy is the user's: a ``window`` longer than the spike's
-  period.
-
-Every time is passed in (``now_unix``, ``started_unix``): the policy never reads a clock,
-so tests drive it step by step and the guard in ``sidecar.train.guard`` owns all I/O.
+Every time is passed in: the policy never reads a clock; ``sidecar.train.guard`` owns I/O.
 """
 
 from __future__ import annotations
@@ -64,12 +46,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from sidecar.train import margin as auto_margin
 from sidecar.train.routine import check_routine
 
 __all__ = [
     "DEFAULT_REDUNDANT_SECONDS",
     "DEFAULT_SAVE_SECONDS",
     "DEFAULT_TOP_UP_SECONDS",
+    "LATE_SAVES_EXPECTED",
     "REARM_FLOOR_SECONDS",
     "STATISTICS",
     "PolicyDecision",
@@ -94,6 +78,8 @@ DEFAULT_TOP_UP_SECONDS = 5.0
 # policy whose margin is smaller (see SavePolicy.rearm_after_seconds): more than the
 # rounding of an answer to whole seconds, and than the jitter of a clock.
 REARM_FLOOR_SECONDS = 2.0
+
+LATE_SAVES_EXPECTED = "expected"  # try_late_saves: when the unpadded time still fits
 
 # Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
 # 1/(1-q) samples a percentile is the max: conservative while little is known).
@@ -133,7 +119,7 @@ class PolicyDecision:
     routine: bool = False
 
 
-def check_seconds(name: str, value: float) -> float:
+def check_seconds(name: str, value: object) -> float:
     """``value`` as a float if it is a finite number of seconds >= 0, else ValueError naming
     ``name``. Shared with ``sidecar.train.client`` and the integrations: one rule for every
     duration a user passes in."""
@@ -199,7 +185,8 @@ class SavePolicy:
 
     - ``save_seconds``: the save time assumed until a save was measured (default 60).
     - ``redundant_seconds``: safety margin for clock error, late notices and the
-      release itself (default 120).
+      release itself (default 120), or "auto": the one that loses least from the measured
+      spread (``sidecar.train.margin``; docs/simulation.md, "Choosing the margin").
     - ``window``: how many recent steps the step estimate looks at (default 100).
     - ``statistic``: "max" (default), "p95" or "p99" over that window. "max" is the safe
       choice; a percentile ignores rare outliers (an evaluation step, a GC pause) at
@@ -208,10 +195,10 @@ class SavePolicy:
     - ``save_window``: how many recent measured saves count (default 5).
     - ``top_up_seconds``: the margin a top-up save keeps before the release (default
       5); None: no top-up, stop right after the final save.
-    - ``try_late_saves``: start the save even when less time is left than the save (and
-      its upload) is expected to take (default False: such a save would be cut by the
-      release, and keep a job that got SIGTERM from leaving cleanly; training goes on
-      instead, in case the deadline moves). A short notice (30 s) is the usual case.
+    - ``try_late_saves``: start the save even when less time is left than its padded
+      estimate (save and upload x ``save_margin``): True always, False never (default),
+      "expected" when the unpadded time still fits (docs/simulation.md, "Late saves"). A cut
+      save loses only steps lost anyway, but keeps a SIGTERM'd job from leaving cleanly.
       Once the deadline has passed with no save made for it, the machine runs on
       borrowed time: one best-effort save is always asked, then stop.
     - ``routine_seconds``: routine saves, asked by the guard through the same save path
@@ -225,13 +212,13 @@ class SavePolicy:
     """
 
     save_seconds: float = DEFAULT_SAVE_SECONDS
-    redundant_seconds: float = DEFAULT_REDUNDANT_SECONDS
+    redundant_seconds: Union[float, str] = DEFAULT_REDUNDANT_SECONDS
     window: int = 100
     statistic: str = "max"
     save_margin: float = 1.2
     save_window: int = 5
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
-    try_late_saves: bool = False
+    try_late_saves: Union[bool, str] = False
     routine_seconds: Union[str, float, None] = "auto"
 
     _steps: deque[float] = field(init=False, repr=False)
@@ -242,10 +229,17 @@ class SavePolicy:
     # Steps trained since the final save; -1 once the top-up save was made; inf before a
     # final save (see steps_after_final()).
     _after_final: float = field(default=math.inf, init=False, repr=False)
+    # Training since the last save ("auto": what a cut save loses); the last margin kept.
+    _at_risk_seconds: float = field(default=0.0, init=False, repr=False)
+    _margin_seconds: float = field(default=DEFAULT_REDUNDANT_SECONDS, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.save_seconds = check_seconds("save_seconds", self.save_seconds)
-        self.redundant_seconds = check_seconds("redundant_seconds", self.redundant_seconds)
+        if self.redundant_seconds != auto_margin.AUTO:
+            self.redundant_seconds = check_seconds("redundant_seconds", self.redundant_seconds)
+            self._margin_seconds = self.redundant_seconds
+        if self.try_late_saves not in (True, False, LATE_SAVES_EXPECTED):
+            raise ValueError(f"try_late_saves: True, False or 'expected': {self.try_late_saves!r}")
         self.window = _check_count("window", self.window)
         self.save_window = _check_count("save_window", self.save_window)
         if self.statistic not in STATISTICS:
@@ -272,6 +266,7 @@ class SavePolicy:
         it (see :meth:`record_save`).
         """
         self._steps.append(check_seconds("seconds", seconds))
+        self._at_risk_seconds += seconds
         self._fresh_cover_until_unix = None
         if 0 <= self._after_final < math.inf:
             self._after_final += 1
@@ -316,6 +311,7 @@ class SavePolicy:
             raise ValueError(f"deadline_unix must be finite or None, got {deadline_unix!r}")
         before = self._budget(self.step_estimate(), self.save_estimate())
         self._saves.append(seconds)
+        self._at_risk_seconds = 0.0
         after = self._budget(self.step_estimate(), self.save_estimate())
         budget = max(before, after, budget_seconds or 0.0)
         cover = started_unix + budget
@@ -435,10 +431,18 @@ class SavePolicy:
         final save. A renewal moves the release by hours, far beyond it. A fixed number
         of seconds would not fit a rule scaled down to seconds (tests, the demo).
         """
-        return max(self.redundant_seconds, REARM_FLOOR_SECONDS)
+        return max(self._margin_seconds, REARM_FLOOR_SECONDS)
+
+    def margin_for(self, step_seconds: Optional[float], durable_save: float,
+                   upload_seconds: Optional[float]) -> float:
+        """The margin to keep now (:func:`sidecar.train.margin.margin_for`)."""
+        return auto_margin.margin_for(
+            self.redundant_seconds, steps=list(self._steps), saves=list(self._saves),
+            step_seconds=step_seconds, durable_save=durable_save,
+            upload_seconds=upload_seconds, at_risk_seconds=self._at_risk_seconds)
 
     def _budget(self, step_seconds: Optional[float], save_seconds: float) -> float:
-        return (step_seconds or 0.0) + save_seconds + self.redundant_seconds
+        return (step_seconds or 0.0) + save_seconds + self._margin_seconds
 
     # ------------------------------------------------------------------ decisions
 
@@ -469,6 +473,7 @@ class SavePolicy:
         upload_seconds: Optional[float] = None,
         steps_after_final: Optional[float] = None,
         typical_step_seconds: Optional[float] = None,
+        margin_seconds: Optional[float] = None,
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
 
@@ -484,9 +489,13 @@ class SavePolicy:
 
         ``steps_after_final``: see :meth:`steps_after_final` (None: this policy's own).
         ``typical_step_seconds``: the step the top-up save budgets (see
-        :meth:`typical_step_estimate`; None: ``step_seconds``).
+        :meth:`typical_step_estimate`; None: ``step_seconds``). ``margin_seconds``: the
+        margin agreed across ranks (None: :meth:`margin_for`).
         """
         durable_save = save_seconds + (upload_seconds or 0.0)
+        if margin_seconds is not None or (remaining_seconds is not None and step_seconds):
+            self._margin_seconds = margin_seconds if margin_seconds is not None else (
+                self.margin_for(step_seconds, durable_save, upload_seconds))
         budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
         def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False,
@@ -534,8 +543,9 @@ class SavePolicy:
             )
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
-        if seed_rule(remaining_seconds, step_seconds, durable_save, self.redundant_seconds)[0]:
-            if remaining_seconds < durable_save and not self.try_late_saves:
+        if seed_rule(remaining_seconds, step_seconds, durable_save, self._margin_seconds)[0]:
+            if remaining_seconds < durable_save and not self._tries_late(
+                    remaining_seconds, durable_save):
                 return decision(
                     False, False,
                     f"remaining {remaining_seconds:.1f} s < {durable_save:.1f} s for a save"
@@ -551,6 +561,11 @@ class SavePolicy:
         return decision(
             False, False, f"remaining {remaining_seconds:.1f} s > budget {budget:.1f} s"
         )
+
+    def _tries_late(self, remaining_seconds: float, durable_save: float) -> bool:
+        if self.try_late_saves == LATE_SAVES_EXPECTED:  # the x save_margin taken off
+            return remaining_seconds >= durable_save / self.save_margin
+        return self.try_late_saves is True
 
     def _after_final_save(
         self,

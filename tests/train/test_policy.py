@@ -521,7 +521,9 @@ def test_top_up_can_be_turned_off() -> None:
 def test_a_save_that_cannot_end_before_the_release_is_not_started() -> None:
     # A 30 s notice (a SIGTERM's grace) and a 60 s save: inside the window, but the save
     # would be cut by the release. Training goes on instead; the reason says why.
-    policy = policy_with_step(20.0)
+    # try_late_saves=False: the 50 s case below fits unpadded (46.7 s), which the default
+    # ("expected", test_a_late_save_starts_when_its_unpadded_time_fits) would start.
+    policy = policy_with_step(20.0, try_late_saves=False)
     decision = policy.evaluate(NOW, NOW + 30.0)
     assert not decision.save_now and not decision.stop and decision.too_late
     assert "would be cut by the release" in decision.reason
@@ -585,3 +587,15 @@ def test_invalid_save_deadline_is_rejected(deadline: float) -> None:
         policy.record_save(10.0, started_unix=NOW, deadline_unix=deadline)
     assert policy.measured_save_estimate() is None
     assert policy.covered_seconds(NOW) is None
+
+
+def test_a_late_save_starts_when_its_unpadded_time_fits() -> None:
+    # "expected": 50 s left, a 30 s save x1.2 and a 20 s upload = 56 s
+    # padded, 46.7 s without the x1.2: started; 40 s left is too late even unpadded.
+    policy = policy_with_step(20.0, try_late_saves="expected")
+    policy.record_save(30.0, started_unix=NOW - 5000, deadline_unix=None)
+    policy.record_step(20.0)
+    assert policy.evaluate(NOW, NOW + 50.0, upload_seconds=20.0).save_now
+    assert policy.evaluate(NOW, NOW + 40.0, upload_seconds=20.0).too_late
+    with pytest.raises(ValueError, match="try_late_saves"):
+        SavePolicy(try_late_saves="sometimes")

@@ -41,6 +41,7 @@ from sidecar.tools.simulate.policies import (
     POLICIES,
     PolicyFactory,
     RunInfo,
+    SidecarPolicy,
     get_policy,
     top_up_policy,
 )
@@ -304,6 +305,8 @@ def simulate_run(
         return deadline
 
     agent = policy.make(RunInfo(trace=trace, reclaim_seconds=reclaim_seconds))
+    if workload.measured_saves and isinstance(agent, SidecarPolicy):
+        agent.resume(trace.earlier_saves())  # the guard's state from the checkpoint
     now = 0.0
     saving = idle = 0.0
     steps = saves = window_saves = 0

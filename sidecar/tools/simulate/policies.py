@@ -225,6 +225,11 @@ class SidecarPolicy:
         self._known.deadline_seconds = deadline_seconds
         self._known.upload_seconds = upload_seconds if self.uploads else None
 
+    def resume(self, saves: list[float]) -> None:
+        """Seed the guard with the saves measured before the run, as a resumed job's
+        ``load_state_dict`` does."""
+        self.policy.load_state_dict({"saves": saves})
+
     def record_step(self, seconds: float) -> None:
         self.guard.record_step(seconds)
 
@@ -345,6 +350,13 @@ POLICIES: dict[str, PolicyFactory] = {
         PolicyFactory("sidecar-try-late", "the sidecar, but it starts a save even when less "
                       "time is left than the save is expected to take (try_late_saves=True)",
                       lambda run: SidecarPolicy(try_late_saves=True)),
+        PolicyFactory("sidecar-late-expected", "the sidecar, but it starts a late save when "
+                      "its expected time, without the x1.2, still fits "
+                      "(try_late_saves=\"expected\")",
+                      lambda run: SidecarPolicy(try_late_saves="expected")),
+        PolicyFactory("sidecar-auto-margin", "the sidecar with the margin chosen to lose least "
+                      "(redundant_seconds=\"auto\", sidecar.train.margin)",
+                      lambda run: SidecarPolicy(redundant_seconds="auto")),
         PolicyFactory("sidecar+periodic-30", "the sidecar plus a save every 30 min, all measured "
                       "by the guard; a periodic save is the final one only if the deadline was "
                       "known and inside the window when it started",
