@@ -12,6 +12,7 @@ import pytest
 from guard_support import FakeMonotonic, closed_port, simple_guard, static_daemon
 
 from sidecar.train.client import SidecarClient
+from sidecar.train.policy import SavePolicy
 from sidecar.train.protection import DurableCheckpoint, JobFigures
 from sidecar.train.routine import (
     FALLBACK_RECLAIM_EVERY_SECONDS,
@@ -22,7 +23,6 @@ from sidecar.train.routine import (
     reclaim_every,
     young_daly_seconds,
 )
-from sidecar.train.policy import SavePolicy
 
 HOUR = 3600.0
 HEAVY = JobFigures(step_seconds=5.0, save_seconds=35.0, upload_seconds=60.0)  # 100 s
