@@ -227,28 +227,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
               f"{len(info.files)} files) from {restored.source} into {info.path} "
               f"in {restored.seconds:.1f} s")
     if args.released_at is not None:
-        _print_release_cost(info.path, args.released_at)
+        from sidecar.host.restore_account import close_release_account
+        from sidecar.train.client import SidecarClient
+
+        try:
+            urls = SidecarClient(args.url).urls
+        except ValueError as exc:  # after the restore: the checkpoint is there all the same
+            print(f"esi-sidecar restore: --url: {exc}; the account is not posted",
+                  file=sys.stderr)
+            urls = ()
+        close_release_account(info.path, args.released_at, urls, args.timeout)
     return 0
-
-
-def _print_release_cost(folder: Path, released_at: str) -> None:
-    """The account of the machine that went: the GPU time from the state restored to its
-    release (sidecar.train.reclaim_cost; issue 24, item 3)."""
-    import json
-
-    from sidecar.checkpoint.manifest import MANIFEST_NAME
-    from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
-    from sidecar.train.reclaim_cost import lost_seconds, state_of_manifest
-
-    try:
-        released = parse_timestamp(released_at).when.timestamp()
-        state, step = state_of_manifest(json.loads((folder / MANIFEST_NAME).read_text()))
-    except (OSError, ValueError, TimestampError) as exc:
-        print(f"esi-sidecar restore: cannot account for the release: {exc}", file=sys.stderr)
-        return
-    lost = lost_seconds(released, state)
-    print(f"the release cost {lost:.1f} s of GPU time: from the state of step {step} "
-          f"({format_rfc3339(state)}) to the release ({format_rfc3339(released)})")
 
 
 def _missing_server_extra(exc: ImportError) -> int:
@@ -433,7 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--released-at", metavar="TIME",
                          help="when the previous machine was released (RFC 3339 or Unix "
                          "seconds): also print the GPU time that release cost, from the "
-                         "state restored to it")
+                         "state restored to it, and post that account to the daemon "
+                         "(--url; a daemon that is not there costs one line, not the "
+                         "restore)")
+    client_options(restore, timeout=5.0)
     restore.set_defaults(func=cmd_restore)
 
     from sidecar.host.launch import add_run_command  # standard library only

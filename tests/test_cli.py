@@ -10,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
+from drill_support import start_drill
 
 from sidecar.cli import describe, format_duration
 from sidecar.models import Expiry
@@ -213,6 +215,42 @@ def test_status_watch_prints_a_block_per_interval_when_not_a_terminal() -> None:
         assert "releases in 59m" in block or "releases in 1h 00m" in block, block
         assert "sources: static" in block
     assert "\x1b[" not in result.stdout  # no terminal codes in a pipe
+
+
+def test_status_watch_shows_the_drill_under_way_then_the_last_one() -> None:
+    with serve_daemon(sources=("static",), expires_at=str(time.time() + 3600)) as daemon:
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 200)
+        post_json(daemon.url + "/v1/events", {
+            "kind": "step-estimate", "job": "trainer:1", "step_seconds": 0.1,
+            "save_seconds": 1.0, "budget_seconds": 20.0, "remaining_seconds": 3600.0})
+        start_drill(daemon.url, 30)
+        running = cli("status", "--watch", "--count", "1", "--url", daemon.url)
+        post_json(daemon.url + "/v1/events", {
+            "kind": "drill", "job": "trainer:1", "step": 41, "drill": {
+                "id": "drill-1", "outcome": "durable", "budget_seconds": 20.0,
+                "save_seconds": 1.5, "upload_seconds": 3.0, "durable_seconds": 4.5,
+                "lead_seconds": 12.5, "remaining_seconds": 17.0}})
+        wait_for(lambda: get_json(daemon.url + "/v1/drill")[1]["drills"][0]["result"])
+        decided = cli("status", "--watch", "--interval", "0.2", "--count", "2",
+                      "--url", daemon.url)
+        once = cli("status", "--url", daemon.url)
+    assert running.returncode == 0, running.stderr
+    assert "drill: drill-1 under way" in running.stdout, running.stdout
+    assert decided.returncode == 0, decided.stderr
+    blocks = [b for b in decided.stdout.split("--- ") if b.strip()]
+    assert len(blocks) == 2, decided.stdout
+    last = [line for line in once.stdout.splitlines() if line.startswith("last drill: ")]
+    assert last and "drill-1 PASS" in last[0], once.stdout
+    said = last[0].rsplit(", ", 1)[0]  # the same line `status` prints, but for its "ago"
+    for block in blocks:
+        assert any(line.startswith(said) for line in block.splitlines()), block
+
+
+def post_json(url: str, body: object) -> None:
+    request = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.status in (201, 202), response.status
 
 
 def test_status_watch_redraws_in_place_on_a_terminal() -> None:

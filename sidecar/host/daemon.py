@@ -119,7 +119,9 @@ def build_daemon(settings: Settings) -> Daemon:
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
     protection = ProtectionBoard(
         store, notice_table({s.name: s.notice_seconds for s in specs()}, settings.notices),
-        events=events, uploads=uploader.tracker if uploader is not None else None)
+        events=events, uploads=uploader.tracker if uploader is not None else None,
+        detected={s.name: s for s in sources  # gcp on GKE: 15 s, unless --notice says
+                  if hasattr(s, "notice_seconds") and s.name not in settings.notices})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

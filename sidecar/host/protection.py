@@ -53,9 +53,13 @@ class ProtectionBoard:
         events: Optional[_Summaries] = None,
         uploads: Optional[_Uploads] = None,
         clock: Callable[[], float] = time.time,
+        detected: Mapping[str, Any] = {},
     ) -> None:
         self._store = store
         self._notices = dict(notices)
+        # Sources that learn their platform's notice as they run (gcp on a GKE node:
+        # ``notice_seconds``), asked at each verdict; --notice leaves them out (daemon.py).
+        self._detected = dict(detected)
         self._events = events
         self._uploads = uploads
         self._clock = clock
@@ -83,7 +87,9 @@ class ProtectionBoard:
 
     def verdicts(self, now: Optional[float] = None) -> list[Verdict]:
         now = self._clock() if now is None else now
-        running = {status.name: self._notices.get(status.name)
+        running = {status.name: (self._detected[status.name].notice_seconds
+                                 if status.name in self._detected
+                                 else self._notices.get(status.name))
                    for status in self._store.snapshot().present}
         job, durable = self.inputs(now)
         return judge(running, job, durable, now)

@@ -363,8 +363,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
            "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
     Option("notice", _notices, "the notice a source's platform gives, SOURCE=SECONDS (or "
-           "ahead), repeatable, e.g. gcp=15 for GKE pods (default: each source's own: aws "
-           "120, gcp 30, azure 30, volcengine-spot 300; docs/protection.md)",
+           "ahead), repeatable, e.g. gcp=20 (default: each source's own: aws 120, gcp 30 or "
+           "15 on a GKE node, azure 30, volcengine-spot 300; docs/protection.md)",
            "SOURCE=SECONDS", repeatable=True),
     Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
     *_source_rows("static"),

@@ -30,12 +30,13 @@ WAIT_SLACK_SECONDS = 30.0  # beyond the drill deadline + the daemon's grace
 
 
 def drill_request(url: str, method: str, body: Optional[dict[str, Any]] = None,
-                  timeout: float = 5.0) -> tuple[Optional[int], Any]:
-    """(HTTP status, JSON body) of ``method /v1/drill`` on ``url``; (None, why) when the
-    daemon cannot be reached. Sends ``$ESI_SIDECAR_TOKEN`` as the client does."""
+                  timeout: float = 5.0, path: str = "/v1/drill") -> tuple[Optional[int], Any]:
+    """(HTTP status, JSON body) of ``method path`` (``/v1/drill`` unless told) on ``url``;
+    (None, why) when the daemon cannot be reached. Sends ``$ESI_SIDECAR_TOKEN`` as the
+    client does."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url.rstrip("/") + "/v1/drill", data=data, method=method,
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
     token = os.environ.get(ENV_TOKEN, "").strip()
     if token:

@@ -263,7 +263,9 @@ def _watch(args: argparse.Namespace) -> int:
                 lines = (describe(expiry) + describe_sources(_health(args))
                          + describe_job(_get_json(args, "/v1/events?limit=0"))
                          + describe_uploads(_get_json(args, "/v1/uploads?limit=0"))
-                         + describe_protection(_get_json(args, "/v1/protection")))
+                         + describe_protection(_get_json(args, "/v1/protection"))
+                         # the drill under way or the last one, as `status` shows it
+                         + describe_drills(_get_json(args, "/v1/drill")))
             stamp = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + f"esi-sidecar status --watch   {stamp}   "

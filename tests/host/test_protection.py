@@ -86,6 +86,26 @@ def test_notice_overrides_the_sources_own_figure(gce: GcpMetadataEmulator) -> No
         assert verdict["status"] == "protected" and verdict["notice_seconds"] == 90.0
 
 
+def test_a_gke_node_is_judged_on_its_pods_15_s() -> None:
+    with GcpMetadataEmulator(cluster_name="training-cluster") as gke:
+        with serve_daemon(sources=("gcp",), gcp_metadata_url=gke.url) as daemon:
+            wait_for(lambda: daemon.store.health().ok)
+            report_a_60_s_save(daemon.url)
+            verdict = wait_for(
+                lambda: (v := gcp_verdict(daemon.url))["status"] != "unknown" and v)
+            metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=5).read().decode()
+        with serve_daemon(sources=("gcp",), gcp_metadata_url=gke.url,
+                          notices={"gcp": 90.0}) as told:  # --notice still wins
+            wait_for(lambda: told.store.health().ok)
+            report_a_60_s_save(told.url)
+            overridden = wait_for(
+                lambda: (v := gcp_verdict(told.url))["status"] != "unknown" and v)
+    assert verdict["notice_seconds"] == 15.0 and verdict["status"] == "not-protected"
+    assert verdict["reason"].startswith("gcp: 15 s notice < 65 s step + save"), verdict
+    assert 'esi_sidecar_notice_seconds{source="gcp"} 15.0' in metrics
+    assert overridden["notice_seconds"] == 90.0
+
+
 def test_a_release_known_ahead_is_protected() -> None:
     with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
         report_a_60_s_save(daemon.url)

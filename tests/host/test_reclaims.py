@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from daemon_harness import get_json, serve_daemon, wait_for
+from guard_support import closed_port
 
 from sidecar.checkpoint.folders import atomic_checkpoint
 from sidecar.host.reclaims import ReclaimLedger, account_from_events
-from sidecar.timeparse import format_rfc3339
+from sidecar.timeparse import format_rfc3339, parse_timestamp
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
@@ -76,7 +77,7 @@ def test_restore_reports_the_gpu_time_the_release_cost_as_the_simulator_counts_i
 
     restored = subprocess.run(
         [sys.executable, "-m", "sidecar.cli", "restore", "--from", volume.as_uri(), "--to",
-         str(fresh), "--released-at", format_rfc3339(release)],
+         str(fresh), "--released-at", format_rfc3339(release), "--url", _dead_url()],
         capture_output=True, text=True, timeout=60)
     assert restored.returncode == 0, restored.stderr
     line = restored.stdout.splitlines()[-1]
@@ -159,3 +160,61 @@ def test_a_restore_posts_its_account_once_and_a_bad_one_is_refused() -> None:
     assert body["count"] == 1 and body["lost_seconds_total"] == 100.0
     assert body["reclaims"][0]["closed_by"] == "restore"
     assert body["reclaims"][0]["resumed_step"] == 12
+
+
+def _restore(volume: Path, into: Path, released: float, url: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "restore", "--from", volume.as_uri(), "--to",
+         str(into), "--released-at", format_rfc3339(released), "--url", url],
+        capture_output=True, text=True, timeout=60)
+
+
+def _dead_url() -> str:
+    """A loopback URL no daemon listens on."""
+    return f"http://127.0.0.1:{closed_port()}"
+
+
+def test_restore_posts_the_account_to_the_next_machines_daemon_once(tmp_path: Path) -> None:
+    checkpoints, volume, fresh = tmp_path / "ckpt", tmp_path / "volume", tmp_path / "next"
+    checkpoints.mkdir()
+    volume.mkdir()
+    # The first machine: its daemon uploads the job's checkpoint to the volume.
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z",
+                      upload_from=checkpoints, upload_to=volume.as_uri(),
+                      upload_scan_interval=0.2) as first:
+        with atomic_checkpoint(checkpoints, 40) as folder:
+            (folder / "model.bin").write_bytes(b"x" * 4096)
+        wait_for(lambda: list(volume.glob("*/MANIFEST.json")), timeout=20)
+        assert get_json(first.url + "/v1/reclaims")[1]["count"] == 0
+    manifest = json.loads(next(volume.glob("*/MANIFEST.json")).read_text())
+    released = time.time()
+
+    # The next machine: its own daemon, told by the restore what the release cost.
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as second:
+        restored = _restore(volume, fresh, released, second.url)
+        assert restored.returncode == 0, restored.stderr
+        assert f"the account is recorded on {second.url}" in restored.stdout, restored.stdout
+        again = _restore(volume, fresh, released, second.url)  # the same release again
+        assert again.returncode == 0, again.stderr
+        assert "accounted already: not counted again" in again.stdout, again.stdout
+        body = get_json(second.url + "/v1/reclaims")[1]
+    assert body["count"] == 1
+    account = body["reclaims"][0]
+    assert account["closed_by"] == "restore" and account["resumed_step"] == 40
+    state = parse_timestamp(manifest["started_at"]).when.timestamp()
+    assert abs(account["lost_seconds"] - lost_seconds(released, state)) < 0.01
+    assert (fresh / manifest["name"] / "model.bin").read_bytes() == b"x" * 4096
+
+
+def test_restore_without_a_daemon_still_restores_and_says_so_in_one_line(
+        tmp_path: Path) -> None:
+    checkpoints, fresh = tmp_path / "volume", tmp_path / "next"
+    with atomic_checkpoint(checkpoints, 7) as folder:
+        (folder / "model.bin").write_bytes(b"y" * 100)
+    dead = _dead_url()
+    restored = _restore(checkpoints, fresh, time.time(), dead)
+    assert restored.returncode == 0, restored.stderr
+    assert restored.stdout.splitlines()[-1].startswith("the release cost ")
+    said = [line for line in restored.stderr.splitlines() if dead in line]
+    assert len(said) == 1 and "no daemon to record the account on" in said[0], restored.stderr
+    assert list(fresh.glob("*/model.bin"))

@@ -16,6 +16,10 @@ must carry it back: anything else at the address is not GCE's metadata server.
   VMs lack the key and its documented format varies, so a bad answer is logged once and
   never fails the poll.
 - ``instance/id`` once, for ``instance_id``.
+- ``instance/attributes/cluster-name`` once: present on a GKE node, whose pods get 15 s
+  from a preemption to their end, not the VM's 30 s [5]. The preemption is then served
+  at first seen + 15 s, and the source's notice (``notice_seconds``, the protection
+  verdict's figure) is 15 s; a 404 is a plain VM.
 
 Long polls, not tight polling [4]. The two notice keys are watched at once, each by its
 own ``?wait_for_change=true&last_etag=E&timeout_sec=N`` request on its own thread. A poll
@@ -43,6 +47,8 @@ GCE fails fast.
     https://cloud.google.com/compute/docs/metadata/getting-live-migration-notice
 [3] https://cloud.google.com/compute/docs/instances/monitor-plan-host-maintenance-event
 [4] https://cloud.google.com/compute/docs/metadata/querying-metadata
+[5] https://cloud.google.com/kubernetes-engine/docs/concepts/spot-vms: on a preemption,
+    GKE's graceful node shutdown leaves non-system Pods up to 15 s of the VM's 30 s
 """
 
 from __future__ import annotations
@@ -82,10 +88,12 @@ MAINTENANCE_KEY = "instance/maintenance-event"
 UPCOMING_KEY = "instance/upcoming-maintenance"
 ID_KEY = "instance/id"
 MACHINE_TYPE_KEY = "instance/machine-type"
+CLUSTER_NAME_KEY = "instance/attributes/cluster-name"  # set on GKE nodes
 MIGRATE = "MIGRATE_ON_HOST_MAINTENANCE"
 TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
 
 PREEMPTION_NOTICE_SECONDS = 30.0
+GKE_PREEMPTION_NOTICE_SECONDS = 15.0
 TERMINATE_NOTICE_SECONDS = 60.0
 GPU_TERMINATE_NOTICE_SECONDS = 3600.0
 GPU_MACHINE_FAMILIES = frozenset({"a2", "a3", "a4", "a4x", "g2", "g4"})
@@ -149,6 +157,7 @@ class GcpSource:
         self._maintenance = _Watch(MAINTENANCE_KEY)
         self._instance_id: Optional[str] = None
         self._machine_type: Optional[str] = None
+        self.gke: Optional[bool] = None  # a GKE node (cluster-name set); None: not asked yet
         self._preemption_at: Optional[float] = None  # the deadline, once seen
         self._terminate_at: Optional[float] = None
         self._event_seen = "NONE"
@@ -172,8 +181,16 @@ class GcpSource:
         if value != "TRUE":
             self._refuse(self._preempted, f"expected TRUE or FALSE, got {clip(value)!r}")
         if self._preemption_at is None:
-            self._preemption_at = seen_at + self._preemption_notice
+            self._preemption_at = seen_at + self.notice_seconds
         return Notice(KIND_PREEMPTION, self._preemption_at, detail="preempted")
+
+    @property
+    def notice_seconds(self) -> float:
+        """From a preemption to the end: 15 s for a GKE node's pods (unless this source
+        was told a notice of its own), the VM's 30 s otherwise."""
+        if self.gke and self._preemption_notice == PREEMPTION_NOTICE_SECONDS:
+            return GKE_PREEMPTION_NOTICE_SECONDS
+        return self._preemption_notice
 
     def _maintenance_notice(self) -> Optional[Notice]:
         event, seen_at = self._current(self._maintenance)
@@ -218,6 +235,13 @@ class GcpSource:
                 self._gpu_vm is None
             ):
                 self._machine_type = self._read(MACHINE_TYPE_KEY)
+            if self.gke is None:
+                status = self._request(CLUSTER_NAME_KEY, {}, self._plain_timeout).status
+                if status in (200, 404):
+                    self.gke = status == 200
+                    if self.gke:
+                        log.info("a GKE node (instance/attributes/cluster-name is set): "
+                                 "its pods get %.0f s from a preemption", self.notice_seconds)
         except SourceError:
             pass
 
@@ -417,7 +441,7 @@ def build(config: GcpConfig) -> GcpSource:
 SPEC = SourceSpec(
     name="gcp", config=GcpConfig, build=build, probe=probe,
     summary="preemption, host maintenance", aliases=("gce", "google"),
-    notice_seconds=PREEMPTION_NOTICE_SECONDS,  # 30 s (GKE pods: 15 s, --notice gcp=15)
+    notice_seconds=PREEMPTION_NOTICE_SECONDS,  # 30 s; a GKE node's source says 15 s
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS),
     options=(
         Option("gcp_metadata_url", parse_url, f"GCE metadata server for the gcp source "

@@ -64,12 +64,15 @@ class GcpMetadataEmulator(MetadataEmulator):
         *,
         machine_type: str = "a3-highgpu-8g",
         project_number: str = "123456789012",
+        cluster_name: Optional[str] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(clock=clock)
         self.instance_id = instance_id
         self.machine_type = machine_type
         self.project_number = project_number
+        #: ``attributes/cluster-name``: set on a GKE node; None serves a 404 (a plain VM).
+        self.cluster_name = cluster_name
         #: The ``Metadata-Flavor`` every answer carries; None leaves it out (not GCE).
         self.flavor: Optional[str] = "Google"
         self._preempted = False
@@ -212,6 +215,8 @@ class GcpMetadataEmulator(MetadataEmulator):
             "preempted": "TRUE" if self._preempted else "FALSE",
             "maintenance-event": self._maintenance_event,
         }
+        if self.cluster_name is not None:
+            values["attributes/cluster-name"] = self.cluster_name
         return (values[key], _TEXT) if key in values else None
 
     def _machine_type_path(self) -> str:

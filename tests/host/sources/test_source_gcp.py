@@ -94,6 +94,26 @@ def test_preemption_is_served_30_s_after_first_seen_and_does_not_slide(
     assert source.poll().expires_at_unix == 1_900_000_040.0
 
 
+def test_a_gke_node_serves_a_preemption_15_s_after_first_seen() -> None:
+    now = [1_900_000_000.0]
+    with GcpMetadataEmulator(cluster_name="training-cluster") as gke:
+        source = source_for(gke, clock=lambda: now[0])
+        assert source.notice_seconds == 30.0  # not asked yet
+        source.poll()
+        assert source.gke is True and source.notice_seconds == 15.0
+        gke.preempt()
+        assert source.poll().expires_at_unix == 1_900_000_015.0
+        told = source_for(gke, preemption_notice_seconds=45.0)  # a notice of its own wins
+        told.poll()
+        assert told.gke is True and told.notice_seconds == 45.0
+
+
+def test_a_plain_vm_is_no_gke_node(gce: GcpMetadataEmulator) -> None:
+    source = source_for(gce)
+    source.poll()
+    assert source.gke is False and source.notice_seconds == 30.0
+
+
 def test_a_change_wakes_the_long_poll_waiting_for_it(gce: GcpMetadataEmulator) -> None:
     source = source_for(gce, long_poll_seconds=5, read_margin_seconds=2.0)
     source.poll()
