@@ -16,11 +16,13 @@ from sidecar.train.policy import SavePolicy
 from sidecar.train.protection import DurableCheckpoint, JobFigures
 from sidecar.train.routine import (
     FALLBACK_RECLAIM_EVERY_SECONDS,
+    FLOOR_SECONDS,
     RoutineSaves,
     check_routine,
     measured_reclaim_every,
     plan_routine,
     reclaim_every,
+    routine_floor_seconds,
     young_daly_seconds,
 )
 
@@ -89,6 +91,27 @@ def test_a_notice_that_holds_the_save_gets_no_routine_saves() -> None:
     assert not plan_routine(None, {"gcp": 30.0}, HEAVY).engaged  # off, as before
     # No save time known yet: nothing to hold against the notice.
     assert not plan_routine("auto", {"gcp": 30.0}, JobFigures(5.0, None, None)).engaged
+
+
+def test_the_automatic_interval_has_a_floor_of_ten_saves_and_five_minutes() -> None:
+    assert routine_floor_seconds(0.01) == FLOOR_SECONDS == 300.0
+    assert routine_floor_seconds(60.0) == 600.0
+    # A save measured at about 0 s: Young/Daly says every 9 s (a save every few steps).
+    tiny = JobFigures(step_seconds=1.0, save_seconds=0.002, upload_seconds=60.0)
+    assert young_daly_seconds(0.002, 6 * HOUR) < 10.0
+    plan = plan_routine("auto", {"gcp": 30.0}, tiny)
+    assert plan.interval_seconds == 300.0
+    assert plan.line.endswith("routine saves every 300 s (Young/Daly: a 0 s save, a "
+                              "reclaim every 6.0 h assumed; the floor: 10 x the save, at "
+                              "least 300 s)")
+    # Many reclaims measured: the optimum falls under ten saves, the floor holds.
+    plan = plan_routine("auto", {"gcp": 30.0}, HEAVY, machine_seconds=[600.0] * 50)
+    assert young_daly_seconds(35.0, plan.reclaim_every_seconds or 0) < 350.0
+    assert plan.interval_seconds == 350.0
+    # Where the optimum is above it, the floor changes nothing; a number is kept as given.
+    assert plan_routine("auto", {"gcp": 30.0}, HEAVY).interval_seconds == pytest.approx(
+        young_daly_seconds(35.0, 6 * HOUR))
+    assert plan_routine(60.0, {"gcp": 30.0}, tiny).interval_seconds == 60.0
 
 
 def test_a_number_saves_at_that_interval_whatever_the_notices() -> None:

@@ -307,6 +307,8 @@ def simulate_run(
     agent = policy.make(RunInfo(trace=trace, reclaim_seconds=reclaim_seconds))
     if workload.measured_saves and isinstance(agent, SidecarPolicy):
         agent.resume(trace.earlier_saves())  # the guard's state from the checkpoint
+    if isinstance(agent, SidecarPolicy):
+        agent.source_notice(workload.notice)  # what GET /v1/protection would serve
     now = 0.0
     saving = idle = 0.0
     steps = saves = window_saves = 0

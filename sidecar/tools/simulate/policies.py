@@ -169,6 +169,7 @@ class _KnownDeadline:
         self.now_seconds = 0.0
         self.deadline_seconds: Optional[float] = None
         self.upload_seconds: Optional[float] = None
+        self.notice: Optional[tuple[str, float]] = None
 
     def expiry(self) -> Expiry:
         deadline = self.deadline_seconds
@@ -184,6 +185,11 @@ class _KnownDeadline:
 
     def is_durable(self, step: int) -> bool:
         return True  # the guard's log only; the engine decides what was durable in time
+
+    def source_notices(self) -> Optional[dict[str, Optional[float]]]:
+        """The workload's source and notice, as ``GET /v1/protection`` serves them (the
+        guard's routine saves); None: the workload declares none."""
+        return None if self.notice is None else {self.notice[0]: self.notice[1]}
 
 
 class SidecarPolicy:
@@ -229,6 +235,10 @@ class SidecarPolicy:
         """Seed the guard with the saves measured before the run, as a resumed job's
         ``load_state_dict`` does."""
         self.policy.load_state_dict({"saves": saves})
+
+    def source_notice(self, notice: Optional[tuple[str, float]]) -> None:
+        """The running source and its notice, which the daemon would serve the guard."""
+        self._known.notice = notice
 
     def record_step(self, seconds: float) -> None:
         self.guard.record_step(seconds)
@@ -345,8 +355,13 @@ POLICIES: dict[str, PolicyFactory] = {
                       lambda run: SidecarPolicy(top_up_seconds=None)),
         PolicyFactory("sidecar", "the sidecar's defaults: SavePolicy (max of 100 steps, measured "
                       "saves x1.2, 120 s margin) + the upload, the final save, a top-up save "
-                      f"with a {DEFAULT_TOP_UP_SECONDS:g} s margin, then waits for the release",
+                      f"with a {DEFAULT_TOP_UP_SECONDS:g} s margin, then waits for the release; "
+                      "routine saves where no notice holds a save (routine_seconds=\"auto\")",
                       lambda run: SidecarPolicy()),
+        PolicyFactory("sidecar-no-routine", "the sidecar without routine saves "
+                      "(routine_seconds=None): where no notice holds a save, a reclaim loses "
+                      "all since the last checkpoint, as before",
+                      lambda run: SidecarPolicy(routine_seconds=None)),
         PolicyFactory("sidecar-try-late", "the sidecar, but it starts a save even when less "
                       "time is left than the save is expected to take (try_late_saves=True)",
                       lambda run: SidecarPolicy(try_late_saves=True)),

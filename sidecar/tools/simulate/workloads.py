@@ -168,6 +168,10 @@ class Workload:
     # Saves the guard measured before the run: a resumed job whose checkpoint carries
     # ``CheckpointGuard.state_dict()`` meets its first deadline with measured saves.
     measured_saves: int = 0
+    # The running source and its notice, as the daemon's GET /v1/protection serves them
+    # (the guard's routine saves read it); None: the stand-in client answers none, as
+    # before routine saves (the reference tables stay as they were).
+    notice: Optional[tuple[str, float]] = None
 
     def draw_step(self, rng: random.Random, number: int) -> float:
         """Duration of step ``number`` (1-based, so "every K-th" means K, 2K, ...)."""
@@ -331,6 +335,18 @@ HEAVY_WORKLOADS: dict[str, Workload] = {
                  "the reclaim, learned within 2 s", spot_notice(240.0),
                  notice_delay_seconds=2.0, save_seconds=195.0, save_jitter=45.0 / 195.0,
                  measured_saves=5),
+        # Notices no save can hold: routine saves (issue 23, item 6). The reclaim comes at
+        # a random time with no deadline ahead, only the source's notice.
+        Workload("gcp-notice-30s-heavy", "a GCP spot VM: no deadline ahead, a 30 s notice "
+                 "60-150 min in, learned within 2 s; saves 35 s +-10%, uploads 60 s +-10%; "
+                 "5 saves measured before the run", spot_notice(30.0),
+                 notice_delay_seconds=2.0, save_seconds=35.0, upload_seconds=60.0,
+                 measured_saves=5, notice=("gcp", 30.0)),
+        Workload("spot-notice-120s-heavy", "an AWS spot instance: no deadline ahead, a "
+                 "2 min notice 60-150 min in, learned within 2 s; saves 180 s +-10%, no "
+                 "upload; 5 saves measured before the run", spot_notice(120.0),
+                 notice_delay_seconds=2.0, save_seconds=180.0, measured_saves=5,
+                 notice=("aws", 120.0)),
     )
 }
 
