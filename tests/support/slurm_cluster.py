@@ -189,7 +189,11 @@ class SlurmCluster:
         """sbatch ``script`` (a bash script body); the job id."""
         path = self.folder / "jobs" / f"job-{time.monotonic_ns()}.sh"
         path.write_text("#!/bin/bash\n" + script)
-        command = ["sbatch", "--parsable", *sbatch_args, str(path)]
+        # The job runs in, and by default writes its output to, the cluster's own folder:
+        # never the folder the tests were started from (the repository).
+        jobs = path.parent
+        command = ["sbatch", "--parsable", f"--chdir={jobs}",
+                   f"--output={jobs / 'slurm-%j.out'}", *sbatch_args, str(path)]
         done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True,
                               text=True, timeout=30, check=False)
         if done.returncode != 0:
