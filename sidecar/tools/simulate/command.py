@@ -24,6 +24,11 @@ from sidecar.tools.simulate.engine import (
 )
 from sidecar.tools.simulate.policies import POLICIES
 from sidecar.tools.simulate.report import render_table, write_outputs
+from sidecar.tools.simulate.report_heavy import (
+    HEAVY_SECTION_WORKLOADS,
+    run_heavy,
+    write_heavy_section,
+)
 from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS, WORKLOADS
 
 __all__ = ["add_simulate_command"]
@@ -129,8 +134,12 @@ def simulate_command(args: argparse.Namespace) -> int:
                              progress=_progress(f"top-up margins x {args.seeds} seeds",
                                                 [w.name for w in WORKLOADS.values()
                                                  if not w.stress]))
-    for path in write_outputs(results, args.out, seeds=args.seeds,
-                              notice_delay_seconds=args.notice_delay, plot=args.plot,
-                              sweep=sweep):
+    heavy = run_heavy(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
+                      progress=_progress(f"heavy checkpoints x {args.seeds} seeds",
+                                         list(HEAVY_SECTION_WORKLOADS)))
+    written = write_outputs(results, args.out, seeds=args.seeds,
+                            notice_delay_seconds=args.notice_delay, plot=args.plot, sweep=sweep)
+    write_heavy_section(written[0], heavy, args.seeds)  # report.py is at its size limit
+    for path in written:
         print(path)
     return 0
