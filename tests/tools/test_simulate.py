@@ -356,3 +356,14 @@ def test_no_miss_on_the_heavy_workloads_and_the_chosen_margin_loses_less() -> No
         auto, fixed = by[(name, "sidecar-auto-margin")], by[(name, "sidecar")]
         assert auto.misses == 0 and auto.lost_median_seconds < fixed.lost_median_seconds
     assert by[("heavy-upload", "sidecar-previous")].misses == 10  # the upload not budgeted
+
+
+def test_cli_runs_a_heavy_workload_and_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS
+
+    assert _cli("--seeds", "1", "--workload", "heavy-saves", "--policy", "sidecar") == 0
+    assert "| heavy-saves | sidecar |" in capsys.readouterr().out
+    assert _cli("--list") == 0
+    out = capsys.readouterr().out
+    for name in HEAVY_WORKLOADS:
+        assert f"  {name} " in out

@@ -24,7 +24,12 @@ from sidecar.tools.simulate.engine import (
 )
 from sidecar.tools.simulate.policies import POLICIES
 from sidecar.tools.simulate.report import render_table, write_outputs
-from sidecar.tools.simulate.workloads import WORKLOADS
+from sidecar.tools.simulate.report_heavy import (
+    HEAVY_SECTION_WORKLOADS,
+    run_heavy,
+    write_heavy_section,
+)
+from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS, WORKLOADS
 
 __all__ = ["add_simulate_command"]
 
@@ -46,8 +51,9 @@ def add_simulate_command(subparsers: Any) -> None:
                         help="runs per workload and policy (default 200)")
     parser.add_argument("--seed0", type=int, default=0, metavar="N",
                         help="first seed (default 0)")
-    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), metavar="NAME",
-                        help="simulate only this workload (repeatable; default: all)")
+    parser.add_argument("--workload", action="append", choices=[*WORKLOADS, *HEAVY_WORKLOADS],
+                        metavar="NAME", help="simulate only this workload (repeatable; "
+                        "default: all but the heavy ones, which --out runs for their section)")
     parser.add_argument("--policy", action="append", choices=list(POLICIES), metavar="NAME",
                         help="simulate only this policy (repeatable; default: all)")
     parser.add_argument("--notice-delay", type=float, default=DEFAULT_NOTICE_DELAY_SECONDS,
@@ -100,7 +106,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     """Run the ``simulate`` sub-command; returns the process exit code."""
     if args.list:
         print("workloads:")
-        for workload in WORKLOADS.values():
+        for workload in [*WORKLOADS.values(), *HEAVY_WORKLOADS.values()]:
             stress = f" [stress: {workload.stress}]" if workload.stress else ""
             print(f"  {workload.name:20} {workload.description}{stress}")
         print("policies:")
@@ -128,8 +134,12 @@ def simulate_command(args: argparse.Namespace) -> int:
                              progress=_progress(f"top-up margins x {args.seeds} seeds",
                                                 [w.name for w in WORKLOADS.values()
                                                  if not w.stress]))
-    for path in write_outputs(results, args.out, seeds=args.seeds,
-                              notice_delay_seconds=args.notice_delay, plot=args.plot,
-                              sweep=sweep):
+    heavy = run_heavy(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
+                      progress=_progress(f"heavy checkpoints x {args.seeds} seeds",
+                                         list(HEAVY_SECTION_WORKLOADS)))
+    written = write_outputs(results, args.out, seeds=args.seeds,
+                            notice_delay_seconds=args.notice_delay, plot=args.plot, sweep=sweep)
+    write_heavy_section(written[0], heavy, args.seeds)  # report.py is at its size limit
+    for path in written:
         print(path)
     return 0

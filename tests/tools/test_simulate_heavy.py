@@ -1,0 +1,45 @@
+"""docs/simulation.md's "Heavy checkpoints" section (issue 23, items 4 and 5)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sidecar.tools.simulate.command import add_simulate_command
+from sidecar.tools.simulate.report_heavy import (
+    HEAVY_POLICIES,
+    HEAVY_SECTION_WORKLOADS,
+    render_heavy,
+    run_heavy,
+)
+
+
+def test_the_section_has_a_row_per_workload_and_policy_and_states_the_defaults() -> None:
+    results = run_heavy(seeds=3)
+    text = render_heavy(results, seeds=3)
+    assert text.startswith("\n## Heavy checkpoints\n")
+    for workload in HEAVY_SECTION_WORKLOADS:
+        for policy in HEAVY_POLICIES:
+            assert f"| {workload} | {policy} | " in text
+    assert "| spot-notice-60s |" not in text  # only in the late-saves paragraph
+    margin = text.split("### Choosing the margin\n")[1].split("### Late saves")[0]
+    late = text.split("### Late saves\n")[1]
+    assert "**The fixed 120 s stays the default**" in margin
+    assert "**try_late_saves stays False**" in late and "spot-notice-60s" in late
+    # The figures are the computed ones: the auto margin's gain on heavy-saves is named.
+    by = {(r.workload, r.policy): r for r in results}
+    fixed = by[("heavy-saves", "sidecar")].lost_median_seconds
+    auto = by[("heavy-saves", "sidecar-auto-margin")].lost_median_seconds
+    assert f"heavy-saves ({fixed:.0f} -> {auto:.0f} s median lost" in margin
+
+
+def test_cli_out_appends_the_section_after_the_main_document(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="esi-sidecar")
+    add_simulate_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["simulate", "--seeds", "2", "--workload", "steady", "--policy", "sidecar",
+         "--no-plot", "--no-top-up-sweep", "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    doc = (tmp_path / "simulation.md").read_text()
+    assert doc.index("| steady | sidecar |") < doc.index("## Heavy checkpoints")
+    assert "| heavy-upload | sidecar-auto-margin | " in doc and "(2 seeds each" in doc
