@@ -34,6 +34,7 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
 import torch
+from tiny_lightning import TinyModule
 
 from sidecar.integrations.lightning import checkpoint_step, latest_checkpoint
 
@@ -43,19 +44,6 @@ RELEASE_AFTER = 950
 WALL_SECONDS_PER_STEP = 100
 EXPECTED_SAVE_STEP = 9
 MAX_STEPS = 20
-
-
-class TinyModule(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        inputs, targets = batch
-        return torch.nn.functional.mse_loss(self.layer(inputs), targets)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
 def loader() -> Any:

@@ -116,20 +116,9 @@ def test_hugging_face_without_routine_saves_saves_nothing_as_before(
 def lightning_fit(tmp_path: Path, url: str, routine: object) -> list[str]:
     pytest.importorskip("lightning")
     import lightning.pytorch as pl
+    from tiny_lightning import TinyModule as Tiny
 
     from sidecar.integrations.lightning import EsiCheckpointCallback
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            inputs, targets = batch
-            return torch.nn.functional.mse_loss(self.layer(inputs), targets)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     folder = tmp_path / "ckpt"
     holder: dict[str, Any] = {}

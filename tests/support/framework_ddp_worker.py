@@ -75,20 +75,9 @@ def run_hf(out: Path) -> dict[str, Any]:
 
 def run_lightning(out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from tiny_lightning import TinyModule
 
     from sidecar.integrations.lightning import EsiCheckpointCallback
-
-    class TinyModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            inputs, targets = batch
-            return torch.nn.functional.mse_loss(self.layer(inputs), targets)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
 
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(64, 4, generator=generator)
