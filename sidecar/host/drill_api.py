@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from sidecar.host.auth import is_loopback
 from sidecar.host.drill import RESULTS, DrillBoard, DrillRefused
 from sidecar.host.events import EventHistory, JobEvent
+from sidecar.host.json_body import json_object
 
 __all__ = ["DrillCollector", "ReportingHistory", "add_drill_routes"]
 
@@ -72,15 +73,7 @@ def _lead(raw: bytes) -> Optional[float]:
     """``in_seconds`` of the body (None: absent), or ValueError naming the problem."""
     if not raw.strip():
         return None
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError("body: not JSON (send {\"in_seconds\": N} or nothing)") from None
-    if not isinstance(body, dict):
-        raise ValueError("body: not a JSON object")
-    unknown = set(body) - {"in_seconds"}
-    if unknown:
-        raise ValueError(f"body: unknown field(s) {', '.join(sorted(unknown))[:100]}")
+    body = json_object(raw, {"in_seconds"}, hint=" (send {\"in_seconds\": N} or nothing)")
     lead = body.get("in_seconds")
     if lead is None:
         return None

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from sidecar.host.json_body import json_object
 from sidecar.host.reclaims import ReclaimLedger
 from sidecar.train.reclaim_cost import ReleaseCost, release_cost
 
@@ -36,15 +37,7 @@ def cost_of_restore(raw: bytes, now: float) -> ReleaseCost:
     """The account a restore posted, or ValueError naming the problem. Idle and redone
     cannot be told apart from the next machine: the time after the state counts as
     redone."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError("body: not JSON") from None
-    if not isinstance(body, dict):
-        raise ValueError("body: not a JSON object")
-    unknown = set(body) - _FIELDS
-    if unknown:
-        raise ValueError(f"body: unknown field(s) {', '.join(sorted(unknown))[:100]}")
+    body = json_object(raw, _FIELDS)
     times = {}
     for name in ("released_unix", "state_unix"):
         value = body.get(name)
