@@ -109,6 +109,9 @@ class UploadTracker:
         self.max_bandwidth = max_bandwidth  # bytes per second, the configured cap
         # (bytes, seconds) of the uploads the estimate's throughput is measured over
         self._rates: deque[tuple[int, float]] = deque(maxlen=plan.RATE_WINDOW)
+        # bytes per second of the link probes since the last upload ended (probe.py)
+        self._probes: deque[float] = deque(maxlen=plan.PROBES_TO_AGREE)
+        self._last_probe: Optional[dict[str, float]] = None
         self._clock = clock
         self.source = source
         self.destination = destination
@@ -172,6 +175,7 @@ class UploadTracker:
             )
             self._records[name] = new
             if duration is not None:
+                self._probes.clear()  # this upload measured the link: probes count after it
                 if sent is not None and send_seconds is not None:
                     if sent > 0 and send_seconds > 0:
                         self._rates.append((sent, send_seconds))
@@ -186,6 +190,15 @@ class UploadTracker:
                 self._durable, self._durable_at = new, now
             self._consecutive_failures = 0
             self._error = self._error_since = None
+
+    def record_probe(self, sent: int, seconds: float) -> None:
+        """A link probe sent ``sent`` bytes in ``seconds`` (``probe.LinkProbe``)."""
+        if sent <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._probes.append(sent / seconds)
+            self._last_probe = {"bytes": float(sent), "seconds": seconds,
+                                "at_unix": self._clock()}
 
     def record_failure(self, name: Optional[str], error: str, *, retry_at: float) -> int:
         """A failed attempt (or a failed storage call outside one). Returns the number of
@@ -243,8 +256,10 @@ class UploadTracker:
         now = self._clock()
         with self._lock:
             rates = list(self._rates)
+            probes = list(self._probes)
             current = next((r for r in self._records.values() if r.state == "uploading"), None)
-        rate = plan.throughput(rates, self.max_bandwidth)
+        rate = plan.with_probe(plan.throughput(rates, self.max_bandwidth),
+                               plan.probed_rate(probes))
         if current is None or current.started_at_unix is None:
             return rate
         return plan.in_progress_rate(
@@ -284,6 +299,11 @@ class UploadTracker:
             return "degraded"
         uploading = any(r.state == "uploading" for r in self._records.values())
         return "uploading" if uploading else "ok"
+
+    def last_probe(self) -> Optional[dict[str, float]]:
+        """The newest link probe: bytes, seconds and when (None before the first)."""
+        with self._lock:
+            return None if self._last_probe is None else dict(self._last_probe)
 
     def last_durable(self) -> Optional[UploadRecord]:
         with self._lock:
@@ -327,6 +347,7 @@ class UploadTracker:
             "endpoint": self.endpoint,
             **self.summary(now),
             "checkpoints": [r.to_json(now) for r in records[: max(0, limit)]],
+            "last_probe": self.last_probe(),
             "server_time_unix": now,
         }
 

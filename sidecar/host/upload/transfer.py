@@ -16,6 +16,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ from sidecar.host.upload.storage import (
     transfer_config,
 )
 from sidecar.host.upload.volume import Cancelled  # one class for both destinations
+from sidecar.host.upload.volume_stage import Throttle
 
 log = logging.getLogger("sidecar.host.upload.transfer")
 
@@ -52,6 +54,7 @@ __all__ = [
 ]
 
 WAIT_SLICE_SECONDS = 0.2
+PROBE_FOLDER = ".esi-sidecar-probe"  # hidden: listings skip names starting with a dot
 
 # Test seam: called with (phase, detail) at each step of an upload, so the crash tests
 # can stop a daemon subprocess at an exact point without sleeping. Never set in
@@ -297,6 +300,34 @@ class S3Destination(StagingDestination):
         except Invalid:
             return {}
         return durable_entries(name, info)
+
+    def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
+        """``amount`` bytes sent as the parts of a multipart upload under a hidden folder
+        (at the uploads' cap and concurrency), which is then aborted: nothing becomes
+        visible (``probe.LinkProbe``; ``prepare`` aborts one a kill left)."""
+        client, bucket = self.client(), self.location.bucket
+        key = self.location.key(PROBE_FOLDER, "probe")
+        upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        throttle = Throttle(self.storage.max_bandwidth)
+        part = os.urandom(max(1, min(amount, self.storage.part_size)))
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, self.storage.concurrency)) as pool:
+                futures, left, number = [], amount, 0
+                while left > 0:
+                    reason = should_stop()
+                    if reason is not None:
+                        raise Cancelled(reason)
+                    body = part[:left]
+                    number += 1
+                    throttle(len(body))
+                    futures.append(pool.submit(client.upload_part, Bucket=bucket, Key=key,
+                                               UploadId=upload_id, PartNumber=number,
+                                               Body=body))
+                    left -= len(body)
+                for future in futures:
+                    future.result()
+        finally:
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
 
     def describe_error(self, exc: BaseException, doing: str) -> str:
         return describe_error(exc, self.storage, doing)

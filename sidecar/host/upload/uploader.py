@@ -46,6 +46,7 @@ from sidecar.host.settings import (
 from sidecar.host.upload import plan
 from sidecar.host.upload.commit_check import DurableFile, Staging, reuse
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.probe import LinkProbe
 from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
 from sidecar.host.upload.stream import (
@@ -95,6 +96,10 @@ class Destination(Protocol):
         """The files of the durable checkpoint ``name`` with a known sha256."""
         ...
 
+    def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
+        """Send ``amount`` bytes where nothing reads them (``probe.LinkProbe``)."""
+        ...
+
 log = logging.getLogger("sidecar.host.upload")
 
 MARKER_NAME = UPLOADING_MARKER  # pins the folder against retention while it uploads
@@ -119,6 +124,8 @@ class UploaderConfig:
     # committed checkpoints, as before (the benchmark's baseline).
     stream: bool = True
     settle_seconds: float = DEFAULT_SETTLE_SECONDS
+    # Probe the link while idle (probe.py); off: the estimate only learns from uploads.
+    probe: bool = True
 
 
 class _Stale(Exception):
@@ -152,6 +159,10 @@ class Uploader:
         )
         self._remaining = remaining_seconds
         self._clock = clock
+        self._probe = LinkProbe(self.destination, self.tracker,
+                                remaining_seconds=remaining_seconds,
+                                near_release_seconds=config.near_release_seconds,
+                                ) if config.probe else None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -249,6 +260,8 @@ class Uploader:
         if record is None:
             if self._stream_once():
                 return 0.0
+            if self._probe is not None:
+                self._probe.run_if_due(lambda: "stopping" if self._stop.is_set() else None)
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
@@ -261,6 +274,9 @@ class Uploader:
                 waits.append(max(0.0, record.retry_at_unix - now))
         if self._stream is not None and self._stream.waiting():
             waits.append(self.config.settle_seconds / 4)  # files may settle meanwhile
+        probe_in = None if self._probe is None else self._probe.due_in()
+        if probe_in is not None:
+            waits.append(probe_in)
         return max(0.01, min(waits))
 
     # ------------------------------------------------------------------ scanning
@@ -379,6 +395,8 @@ class Uploader:
                     record.name, duration=duration, note=None, sent_after_save=sent,
                     sent=streamed + sent,
                     send_seconds=(save.send_seconds if save else 0.0) + duration)
+                if self._probe is not None:
+                    self._probe.measured()
                 log.info("uploaded %s (%d bytes, %d files; %d bytes sent after the save, %d "
                          "before) to %s in %.1f s after the save", record.name,
                          info.total_bytes, len(info.files), sent, streamed,

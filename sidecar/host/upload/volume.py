@@ -254,6 +254,32 @@ class VolumeDestination(StagingDestination):
             return {}
         return durable_entries(name, info)
 
+    def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
+        """``amount`` bytes written (at the volume's cap) and fsynced into a hidden staging
+        folder, then removed (``probe.LinkProbe``)."""
+        self.identity.confirm()  # no byte onto the host's disk in the volume's place
+        folder = staging_folder(self.root, "probe")
+        throttle = Throttle(self.max_bandwidth)
+        chunk = os.urandom(min(amount, 4 << 20))
+        try:
+            folder.mkdir()
+            handle = os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                left = amount
+                while left > 0:
+                    reason = should_stop()
+                    if reason is not None:
+                        raise Cancelled(reason)
+                    piece = chunk[:left]
+                    throttle(len(piece))
+                    os.write(handle, piece)
+                    left -= len(piece)
+                os.fsync(handle)
+            finally:
+                os.close(handle)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def describe_error(self, exc: BaseException, doing: str) -> str:
         if isinstance(exc, NotTheVolume):
             return str(exc)

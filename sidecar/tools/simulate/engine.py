@@ -10,8 +10,11 @@ docs/simulation.md states; keep the two in step.
   few lines: one upload at a time, newest first, an older one near the release yields to
   a newer one unless both still end in time; the estimate and that rule are the daemon's
   own, ``sidecar.host.upload.plan``, the upload in progress included). The link may slow
-  (the workload's ``link_halves``). The first estimate is the one the checkpoint carried
-  from the machine before: its daemon's, over ``plan.RATE_WINDOW`` uploads it measured.
+  (the workload's ``link_halves``); while no upload runs the daemon probes it as
+  ``plan.probe_interval`` says (a probe takes no time from the uploads here: it sends
+  ``plan.PROBE_SECONDS`` of bytes, and the link is idle). The first estimate is the one
+  the checkpoint carried from the machine before: its daemon's, over ``plan.RATE_WINDOW``
+  uploads it measured.
 - A deadline change reaches the job ``notice_delay_seconds`` after it happened (the daemon
   serves it after its next poll); the deadline known at the start is known at once.
 - ``lead``: reclaim time minus the time the job learned the deadline that was enforced.
@@ -163,11 +166,15 @@ class Uploads:
     daemon's: ``plan`` over the uploads done, updated by the one in progress
     (``plan.in_progress_rate``); ``first_estimate`` (the one saved in the checkpoint)
     until one was done here; ``prior``: the ``(amount, seconds)`` the machine before
-    measured, the rate the give-way rule assumes until then."""
+    measured, the rate the give-way rule assumes until then. While none runs, the link is
+    probed (``plan.probe_interval``; ``probe_rate(k)``: the link's rate the k-th probe
+    meets, on top of ``link``; ``probes=False``: never, as before issue 23)."""
 
     def __init__(self, known_deadline: Callable[[float], Optional[float]],
                  first_estimate: Optional[float], *, link: Link = FULL_SPEED,
-                 prior: Sequence[tuple[float, float]] = ()) -> None:
+                 prior: Sequence[tuple[float, float]] = (),
+                 probe_rate: Callable[[int], float] = lambda index: 1.0,
+                 probes: bool = True) -> None:
         self._known_deadline = known_deadline
         self._first_estimate = first_estimate
         self._link = link
@@ -179,21 +186,69 @@ class Uploads:
         self._done: list[tuple[float, float]] = []  # (amount, seconds) uploaded here
         self._running: Optional[tuple[int, float, float]] = None  # index, started, ends
         self._waiting: Optional[int] = None
+        self._probes = probes
+        self._probe_rate = probe_rate
+        self._measured_at = 0.0  # the last upload's end or probe
+        self._probes_since: list[float] = []  # rates the probes since the last upload measured
+        self.probe_count = 0
+        self._probe_at: Optional[float] = None  # when the next probe goes (cached)
 
     def _start(self, index: int, at: float) -> None:
         checkpoint = self.checkpoints[index]
         ends = self._link.ends(at, checkpoint.upload_seconds, checkpoint.upload_rate)
         self._running = (index, at, ends)
 
+    def _next_probe(self) -> float:
+        """When the next probe goes: the first instant, after the last measurement, at
+        which ``plan.probe_interval`` (the deadline known then) has passed since it; inf
+        while an upload runs, or before any checkpoint was seen. Both inputs change only
+        at a measurement (the schedule is fixed), so it is worked out once per one."""
+        if not self._probes or self._running is not None or not self._sizes:
+            return math.inf
+        if self._probe_at is None:
+            last = self._measured_at
+            at = last + plan.PROBE_NEAR_SECONDS
+            far = last + plan.PROBE_FAR_SECONDS
+            estimate = plan.next_upload_seconds(self._sizes[::-1], self.rate(last))
+            while at < far:
+                deadline = self._known_deadline(at)
+                remaining = None if deadline is None else deadline - at
+                if plan.probe_interval(remaining, DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+                                       estimate) <= at - last:
+                    break
+                at += plan.PROBE_NEAR_SECONDS
+            self._probe_at = min(at, far)
+        return self._probe_at
+
+    def _send_probe(self, at: float) -> None:
+        """A probe at ``at``: ``plan.PROBE_SECONDS`` worth at the rate assumed, through the
+        link as it is then."""
+        amount = plan.probe_amount(self.rate(at) or UPLOAD_RATE)
+        link_rate = self._probe_rate(self.probe_count)
+        self._probes_since.append(amount / (self._link.ends(at, amount, link_rate) - at))
+        self.probe_count += 1
+        self._measured_at, self._probe_at = at, None
+
     def advance(self, until: float) -> None:
-        """Finish every upload that ends by ``until``."""
-        while self._running is not None and self._running[2] <= until:
+        """Finish every upload that ends by ``until``, probing the link when it is due
+        (``until`` inf: finish the uploads only, the run is over)."""
+        while True:
+            probe_at = math.inf if math.isinf(until) else self._next_probe()
+            if self._running is None:
+                if probe_at > until or math.isinf(probe_at):
+                    return
+                self._send_probe(probe_at)
+                continue
             index, started, ends = self._running
+            if ends > until:
+                return
             self.durable[index] = ends
             amount = self.checkpoints[index].upload_seconds
             self._done.append((amount, ends - started))
             self._sizes.append(amount)
             self._running = None
+            self._measured_at, self._probe_at = ends, None
+            self._probes_since = []
             if self._waiting is not None:
                 self._start(self._waiting, ends)
                 self._waiting = None
@@ -211,6 +266,7 @@ class Uploads:
         """The rate the daemon assumes at ``now``: the plan's over the recent uploads (the
         prior's before any), slower when the one in progress shows it."""
         rate = plan.throughput((self._done or self._prior)[-plan.RATE_WINDOW:], None)
+        rate = plan.with_probe(rate, plan.probed_rate(self._probes_since))
         if self._running is None or rate is None:
             return UPLOAD_RATE if rate is None else rate
         index, started, _ = self._running
@@ -222,7 +278,11 @@ class Uploads:
         """What the daemon serves at ``now`` as the next upload's duration."""
         self.advance(now)
         if not self._done:
-            return self._first_estimate  # nothing measured here: the saved estimate
+            if plan.probed_rate(self._probes_since) is None:
+                return self._first_estimate  # nothing measured here: the saved estimate
+            # A probe, no upload yet: the saved estimate, longer when the link is slower.
+            probed = plan.next_upload_seconds(self._sizes[::-1], self.rate(now))
+            return max(self._first_estimate or 0.0, probed or 0.0) or None
         sizes = [amount for amount, _ in self._done[::-1]]
         return plan.next_upload_seconds(sizes, self.rate(now))
 
@@ -238,6 +298,7 @@ class Uploads:
             return
         if self._running is None:
             self._start(index, now)
+            self._probe_at = None
             return
         deadline = self._known_deadline(now)
         remaining = None if deadline is None else deadline - now
@@ -315,7 +376,8 @@ def simulate_run(
     interrupted = False
     waiting = False
     trained: list[tuple[float, float]] = []  # (start, end) of every step, the cut one too
-    queue = Uploads(known_deadline, first_estimate, link=trace.link, prior=prior)
+    queue = Uploads(known_deadline, first_estimate, link=trace.link, prior=prior,
+                    probe_rate=trace.probe_rate)
     queue.add(Checkpoint(0.0, 0.0, 0.0))  # the run resumes from a durable checkpoint
 
     def estimate() -> Optional[float]:

@@ -93,6 +93,15 @@ class Trace:
             return self.workload.upload_seconds, self.workload.upload_seconds / seconds
         return seconds, 1.0
 
+    def probe_rate(self, index: int) -> float:
+        """The link's rate (full speed 1) that the ``index``-th probe of the run meets: a
+        workload whose noise is the link's (``upload_sigma``) draws it as an upload's; the
+        others' links only change by ``link_halves``."""
+        if not self.workload.upload_sigma:
+            return 1.0
+        rng = random.Random(f"{self.workload.name}/{self._seed}/probe/{index}")
+        return 1.0 / math.exp(rng.gauss(0.0, self.workload.upload_sigma))
+
     def history(self, count: int) -> list[tuple[float, float]]:
         """``count`` uploads the daemon of the machine before measured, oldest first, as
         ``(amount, seconds)``: the checkpoint's size at the link's rates as this workload

@@ -57,3 +57,41 @@ def test_a_slow_upload_raises_the_served_estimate_while_it_runs(tmp_path: Path) 
         after = expiry()["upload_seconds"]
         # Measured: the slow one is the tail now, 4 MiB at about 1 MiB/s, with the margin.
         assert after >= 4 * 1.2 * 0.8 and after > risen["upload_seconds"], (after, risen)
+
+
+def test_a_link_that_slows_while_idle_is_seen_by_the_probe(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """No upload runs after the link slows: the probes (two agreeing) raise the estimate,
+    and leave nothing on the volume."""
+    from sidecar.host.upload import plan
+
+    monkeypatch.setattr(plan, "PROBE_NEAR_SECONDS", 0.5)  # near the release: every 0.5 s
+    local, volume, elsewhere = tmp_path / "local", tmp_path / "volume", tmp_path / "elsewhere"
+    for folder in (local, volume, elsewhere):
+        folder.mkdir()
+    saved_elsewhere(elsewhere, local, 1, 16 * MIB)
+    settings = {"sources": ("static",), "expires_at": str(time.time() + 300),
+                "upload_from": local, "upload_to": volume.as_uri(),
+                "upload_scan_interval": 0.2, "upload_max_bandwidth": 64 * MIB}
+    with serve_daemon(**settings) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+
+        def expiry() -> Any:
+            return get_json(daemon.url + "/v1/expiry")[1]
+
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+        wait_for(lambda: get_json(daemon.url + "/v1/uploads")[1]["last_probe"] is not None,
+                 timeout=10)
+        before = expiry()["upload_seconds"]
+        assert before is not None and before < 16 / 64 * 1.2 * 3, before
+        # The link slows 4x: each probe (2 s at the assumed 64 MiB/s) now takes about 8 s.
+        daemon.daemon.uploader.destination.max_bandwidth = 16 * MIB
+        risen = wait_for(lambda: (lambda e: e["upload_seconds"] > 2.5 * before and e)(expiry()),
+                         timeout=60)
+        # The probed duration: 16 MiB at about 16 MiB/s.
+        assert 0.8 <= risen["upload_seconds"] <= 2, risen
+        probe = get_json(daemon.url + "/v1/uploads")[1]["last_probe"]
+        assert probe["bytes"] >= 8 * MIB and probe["seconds"] > 0
+        assert sorted(p.name for p in volume.iterdir()
+                      if not p.name.startswith(".")) == ["step_00000001"]
+        assert not [p for p in volume.iterdir() if "probe" in p.name]

@@ -130,3 +130,17 @@ def test_importing_the_plan_loads_no_third_party_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_probes_count_only_when_two_agree_and_beyond_the_margin() -> None:
+    assert plan.probed_rate([50.0]) is None  # one probe alone does not move the estimate
+    assert plan.probed_rate([50.0, 40.0]) == 50.0  # the faster of the newest two
+    assert plan.probed_rate([10.0, 50.0, 40.0]) == 50.0
+    assert plan.with_probe(100.0, None) == 100.0
+    assert plan.with_probe(100.0, 90.0) == 100.0  # within the estimate's 1.2: no change
+    assert plan.with_probe(100.0, 50.0) == 60.0  # the probed duration is the estimate
+    assert plan.with_probe(None, 50.0) == 60.0
+    assert plan.probe_interval(100.0, 600.0, 10.0) == plan.PROBE_NEAR_SECONDS
+    assert plan.probe_interval(5000.0, 600.0, 10.0) == plan.PROBE_FAR_SECONDS
+    assert plan.probe_interval(None, 600.0, None) == plan.PROBE_FAR_SECONDS
+    assert plan.probe_interval(1000.0, 600.0, 600.0) == plan.PROBE_NEAR_SECONDS  # 2 x upload
