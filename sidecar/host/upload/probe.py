@@ -7,7 +7,8 @@ every 10 min, every 30 s once the release is near): ``plan.PROBE_SECONDS`` of by
 rate the estimate assumes, to nowhere visible — on S3 the parts of a multipart upload that
 is then aborted (``prepare`` aborts one a kill left behind), on a volume a hidden staging
 folder that is removed (``clean_leftovers`` removes one a kill left behind), through the
-same throttle as the uploads. Restore, retention and listings never see it. The tracker
+same throttle as the uploads. A probe gives way at once to a checkpoint (anything the
+folder does stops it, unmeasured). Restore, retention and listings never see it. The tracker
 counts the probes as ``plan.probed_rate`` and ``plan.with_probe`` say.
 """
 
@@ -19,6 +20,7 @@ from typing import Callable, Optional, Protocol
 
 from sidecar.host.upload import plan
 from sidecar.host.upload.status import UploadTracker
+from sidecar.host.upload.volume_stage import Cancelled
 
 __all__ = ["MAX_PROBE_BYTES", "MIN_PROBE_BYTES", "LinkProbe", "Probed"]
 
@@ -75,6 +77,8 @@ class LinkProbe:
         started = self._monotonic()
         try:
             self._destination.probe(amount, should_stop)
+        except Cancelled:
+            return  # gave way to a checkpoint: tried again once the uploader is idle
         except Exception as exc:  # the uploads' own errors are reported by their attempts
             if not self._failed_once:
                 log.warning("the link probe failed: %s", exc)

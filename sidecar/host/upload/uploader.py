@@ -261,10 +261,17 @@ class Uploader:
             if self._stream_once():
                 return 0.0
             if self._probe is not None:
-                self._probe.run_if_due(lambda: "stopping" if self._stop.is_set() else None)
+                self._probe.run_if_due(self._probe_should_stop)
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
+
+    def _probe_should_stop(self) -> Optional[str]:
+        """A probe gives way to anything the folder does (a checkpoint saved, a save
+        begun): the upload thread must not be busy probing when there is a file to send."""
+        if self._stop.is_set():
+            return "stopping"
+        return "the checkpoint folder changed" if self._wake.is_set() else None
 
     def _idle_seconds(self) -> float:
         now = self._clock()
