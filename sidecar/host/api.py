@@ -93,6 +93,7 @@ class UploadsBody(BaseModel):
     last_durable_name: Optional[str] = None
     last_durable_at_unix: Optional[float] = None
     checkpoints: list[dict[str, Any]] = []
+    last_probe: Optional[dict[str, float]] = None  # the newest link probe (upload/probe.py)
 
 
 def _encode(body: Any) -> bytes:
