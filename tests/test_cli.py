@@ -366,6 +366,9 @@ def test_status_wait_healthy_waits_for_a_daemon_that_becomes_healthy(
         emu.inject_fault("server-error")
         wait_for(lambda: get_json(daemon.url + "/healthz")[1]["sources"]["volcengine-esi"]
                  ["error"])
+        # Unhealthy before the wait starts: a source with a fresh error can still be
+        # healthy for a moment, and the wait would then end before any release was read.
+        wait_for(lambda: get_json(daemon.url + "/healthz")[0] == 503, timeout=15)
         waiting = subprocess.Popen(
             [sys.executable, "-m", "sidecar.cli", "status", "--wait-healthy", "30",
              "--url", daemon.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
