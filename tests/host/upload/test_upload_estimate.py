@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,35 +28,46 @@ def saved_elsewhere(elsewhere: Path, root: Path, step: int, size: int) -> None:
     os.rename(elsewhere / name, root / name)
 
 
-def test_a_slow_upload_raises_the_served_estimate_while_it_runs(tmp_path: Path) -> None:
+@contextmanager
+def volume_daemon(tmp_path: Path, *, size: int, release_in: float,
+                  bandwidth: int) -> Iterator[tuple[Any, Path, Path, Path]]:
+    """A daemon uploading to a volume capped at ``bandwidth``, the release ``release_in``
+    seconds away, with a first checkpoint of ``size`` bytes: (daemon, local, volume,
+    elsewhere)."""
     local, volume, elsewhere = tmp_path / "local", tmp_path / "volume", tmp_path / "elsewhere"
     for folder in (local, volume, elsewhere):
         folder.mkdir()
-    saved_elsewhere(elsewhere, local, 1, 4 * MIB)
-    settings = {"sources": ("static",), "expires_at": str(time.time() + 3600),
+    saved_elsewhere(elsewhere, local, 1, size)
+    settings = {"sources": ("static",), "expires_at": str(time.time() + release_in),
                 "upload_from": local, "upload_to": volume.as_uri(),
-                "upload_scan_interval": 0.2, "upload_max_bandwidth": 16 * MIB}
+                "upload_scan_interval": 0.2, "upload_max_bandwidth": bandwidth}
     with serve_daemon(**settings) as daemon:
+        yield daemon, local, volume, elsewhere
+
+
+def expiry(daemon: Any) -> Any:
+    return get_json(daemon.url + "/v1/expiry")[1]
+
+
+def test_a_slow_upload_raises_the_served_estimate_while_it_runs(tmp_path: Path) -> None:
+    with volume_daemon(tmp_path, size=4 * MIB, release_in=3600,
+                       bandwidth=16 * MIB) as (daemon, local, _, elsewhere):
         client = SidecarClient(daemon.url, timeout=5)
-
-        def expiry() -> Any:
-            return get_json(daemon.url + "/v1/expiry")[1]
-
         wait_for(lambda: client.last_durable_step() == 1, timeout=30)
-        before = expiry()["upload_seconds"]
+        before = expiry(daemon)["upload_seconds"]
         assert before is not None and 4 / 16 * 1.2 <= before < 3.0, before
         # The link slows to 1 MiB/s (the volume's paced copy, the cap a link would be):
         # the next checkpoint, the same 4 MiB, takes about 4 s instead of 0.25 s.
         daemon.daemon.uploader.destination.max_bandwidth = 1 * MIB
         saved_elsewhere(elsewhere, local, 2, 4 * MIB)
-        wait_for(lambda: expiry()["upload_status"] == "uploading", timeout=10)
-        risen = wait_for(lambda: (lambda e: e["upload_seconds"] > 2 * before and e)(expiry()),
+        wait_for(lambda: expiry(daemon)["upload_status"] == "uploading", timeout=10)
+        risen = wait_for(lambda: (lambda e: e["upload_seconds"] > 2 * before and e)(expiry(daemon)),
                          timeout=10)
         # Seen while the slow upload runs, before it ends.
         assert risen["upload_status"] == "uploading"
         assert client.last_durable_step() == 1
         wait_for(lambda: client.last_durable_step() == 2, timeout=30)
-        after = expiry()["upload_seconds"]
+        after = expiry(daemon)["upload_seconds"]
         # Measured: the slow one is the tail now, 4 MiB at about 1 MiB/s, with the margin.
         assert after >= 4 * 1.2 * 0.8 and after > risen["upload_seconds"], (after, risen)
 
@@ -66,28 +79,19 @@ def test_a_link_that_slows_while_idle_is_seen_by_the_probe(
     from sidecar.host.upload import plan
 
     monkeypatch.setattr(plan, "PROBE_NEAR_SECONDS", 0.5)  # near the release: every 0.5 s
-    local, volume, elsewhere = tmp_path / "local", tmp_path / "volume", tmp_path / "elsewhere"
-    for folder in (local, volume, elsewhere):
-        folder.mkdir()
-    saved_elsewhere(elsewhere, local, 1, 16 * MIB)
-    settings = {"sources": ("static",), "expires_at": str(time.time() + 300),
-                "upload_from": local, "upload_to": volume.as_uri(),
-                "upload_scan_interval": 0.2, "upload_max_bandwidth": 64 * MIB}
-    with serve_daemon(**settings) as daemon:
+    with volume_daemon(tmp_path, size=16 * MIB, release_in=300,
+                       bandwidth=64 * MIB) as (daemon, _, volume, _):
         client = SidecarClient(daemon.url, timeout=5)
-
-        def expiry() -> Any:
-            return get_json(daemon.url + "/v1/expiry")[1]
-
         wait_for(lambda: client.last_durable_step() == 1, timeout=30)
         wait_for(lambda: get_json(daemon.url + "/v1/uploads")[1]["last_probe"] is not None,
                  timeout=10)
-        before = expiry()["upload_seconds"]
+        before = expiry(daemon)["upload_seconds"]
         assert before is not None and before < 16 / 64 * 1.2 * 3, before
         # The link slows 4x: each probe (2 s at the assumed 64 MiB/s) now takes about 8 s.
         daemon.daemon.uploader.destination.max_bandwidth = 16 * MIB
-        risen = wait_for(lambda: (lambda e: e["upload_seconds"] > 2.5 * before and e)(expiry()),
-                         timeout=60)
+        risen = wait_for(
+            lambda: (lambda e: e["upload_seconds"] > 2.5 * before and e)(expiry(daemon)),
+            timeout=60)
         # The probed duration: 16 MiB at about 16 MiB/s.
         assert 0.8 <= risen["upload_seconds"] <= 2, risen
         probe = get_json(daemon.url + "/v1/uploads")[1]["last_probe"]
