@@ -20,8 +20,10 @@ from daemon_harness import wait_for
 from moto.server import ThreadedMotoServer
 
 from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
+from sidecar.checkpoint.manifest import MANIFEST_NAME
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.storage import StorageConfig, make_client
+from sidecar.host.upload.transfer import S3Destination
 
 __all__ = ["ACCESS_KEY", "MIB", "SECRET_KEY", "S3Server", "isolate_aws_env", "make_checkpoint",
            "running_s3", "wait_for"]
@@ -122,3 +124,15 @@ def make_checkpoint(root: Path, step: int, sizes: dict[str, int], *,
             path.write_bytes(os.urandom(size))
     assert save.info is not None
     return save.info
+
+
+def commit_to_s3(s3: S3Server, location: S3Location, info: CheckpointInfo,
+                 unchanged_since: Optional[str] = None) -> None:
+    """Commit one local checkpoint to ``location`` the way the uploader does (every file,
+    the size check, the manifest last), without an uploader around it; a file equal to
+    one of the durable ``unchanged_since`` checkpoint by reference, as the uploader does."""
+    destination = S3Destination(s3.storage(), location, make_client)
+    durable = destination.durable_files(unchanged_since) if unchanged_since else {}
+    destination.upload(info, (info.path / MANIFEST_NAME).read_bytes(),
+                       on_progress=lambda count: None, should_stop=lambda: None,
+                       before_manifest=lambda: None, durable=durable)

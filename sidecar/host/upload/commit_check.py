@@ -71,13 +71,14 @@ class StagedFile:
     sha256: str
     key: StatKey  # the local file's key while it was read
     copied_from: Optional[str] = None  # the durable checkpoint it was copied from
+    stored_in: Optional[str] = None  # the folder that keeps its bytes, when not its own
 
 
 @dataclass(frozen=True)
 class DurableFile:
     """A file of a checkpoint durable at the destination: what an unchanged file reuses."""
 
-    checkpoint: str
+    checkpoint: str  # the folder that holds its bytes (on S3, maybe not its own: s3_refs)
     size: int
     sha256: str
 
@@ -201,10 +202,13 @@ def complete(staging: Staging, info: CheckpointInfo, manifest: bytes, *,
     staging.finish(info, manifest)
 
 
-def durable_entries(name: str, info: CheckpointInfo) -> dict[str, DurableFile]:
+def durable_entries(name: str, info: CheckpointInfo,
+                    references: Mapping[str, str] = MappingProxyType({}),
+                    ) -> dict[str, DurableFile]:
     """The files of the durable checkpoint ``name`` (its manifest read as ``info``) whose
-    sha256 the manifest records: those an unchanged file may reuse."""
-    return {entry.path: DurableFile(name, entry.size, entry.sha256)
+    sha256 the manifest records: those an unchanged file may reuse, each where its bytes
+    are (``references``: a file kept in an older folder, ``s3_refs``)."""
+    return {entry.path: DurableFile(references.get(entry.path, name), entry.size, entry.sha256)
             for entry in info.files if entry.sha256}
 
 

@@ -1,7 +1,8 @@
 """``esi-sidecar restore``: the newest complete remote checkpoint onto a fresh machine.
 
 Only a remote folder whose ``MANIFEST.json`` exists is a checkpoint (the uploader writes
-it last). Its files are downloaded into a hidden temporary folder in the target root,
+it last). Its files (an unchanged one from the older folder its references name,
+``s3_refs``) are downloaded into a hidden temporary folder in the target root,
 checked against the manifest (sizes always, sha256 when the save recorded it), fsynced,
 the remote manifest written last, and the folder renamed into place: the same commit as
 ``atomic_checkpoint``, so ``latest_valid(root)`` finds it and a killed restore leaves only
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional
 from sidecar.checkpoint.folders import CheckpointError, clean_leftovers, validate
 from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.s3_refs import read_references
 from sidecar.host.upload.storage import StorageConfig, describe_error, make_client
 from sidecar.host.upload.transfer import (
     download_files,
@@ -124,10 +126,17 @@ def restore(
     if os.path.lexists(target):
         return already_there(target, found.manifest, source, started)
     clean_leftovers(root)
+    try:
+        references = read_references(client, location, found.name)
+    except Invalid as exc:
+        raise RestoreError(f"{source}: {exc}") from None
+    except Exception as exc:
+        raise RestoreError(describe_error(exc, storage, f"reading {source}")) from None
 
     def fill(temp: Path) -> None:
         try:
-            download_files(client, storage, location, found.info, temp, on_progress=on_progress)
+            download_files(client, storage, location, found.info, temp, on_progress=on_progress,
+                           references=references)
         except Invalid as exc:
             raise RestoreError(f"{source}: {exc}") from None
         except Exception as exc:

@@ -7,11 +7,12 @@ file can go up while the save still writes the next one and nothing of the check
 shows until :meth:`S3Staging.finish`: (1) a remote manifest that differs is deleted
 first, so old and new files never look complete together; (2) every upload is
 completed; (3) every object's size is read back (HeadObject); (4) ``MANIFEST.json`` is
-written last. An unchanged file is copied from the durable checkpoint's object inside
-the same kind of upload (UploadPartCopy, parts of at most 5 GiB: a server-side copy that
-stays invisible until the commit, unlike CopyObject, which would overwrite a visible
-object at once). Abandoned uploads are aborted (:meth:`S3Staging.discard`), and a killed
-daemon's by the next start (``S3Destination.prepare``).
+written last. An unchanged file is not sent: its size is checked at the durable
+checkpoint that holds it (HeadObject) and the new checkpoint refers to it there
+(``s3_refs``: a hidden references object written before the manifest, no bytes moved, so
+durable at once; the uploader copies it server-side later). Abandoned uploads are aborted
+(:meth:`S3Staging.discard`), and a killed daemon's by the next start
+(``S3Destination.prepare``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from botocore.exceptions import ClientError
@@ -30,8 +32,8 @@ from botocore.exceptions import ClientError
 from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry, open_listed
 from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, stat_key
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.s3_refs import source_key, write_references
 from sidecar.host.upload.storage import (
-    MAX_PART_SIZE,
     StorageConfig,
     StorageError,
     is_not_found,
@@ -57,10 +59,13 @@ def read_remote_manifest(client: Any, location: S3Location, name: str) -> Option
 
 
 def verify_sizes(client: Any, storage: StorageConfig, location: S3Location, name: str,
-                 files: Sequence[FileEntry]) -> None:
-    """Every object's size (HeadObject) is the manifest's, else :class:`StorageError`."""
+                 files: Sequence[FileEntry],
+                 references: Mapping[str, str] = MappingProxyType({})) -> None:
+    """Every object's size (HeadObject; a referenced file's where its bytes are) is the
+    manifest's, else :class:`StorageError`."""
     def check(entry: FileEntry) -> None:
-        head = client.head_object(Bucket=location.bucket, Key=location.key(name, entry.path))
+        head = client.head_object(Bucket=location.bucket,
+                                  Key=source_key(location, name, entry.path, references))
         if int(head["ContentLength"]) != entry.size:
             raise StorageError(
                 f"{entry.path}: stored object is {head['ContentLength']} bytes, the manifest "
@@ -83,6 +88,7 @@ class S3Staging:
         self._phase = phase
         self.files: dict[str, StagedFile] = {}
         self._uploads: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # id, parts
+        self._references: dict[str, str] = {}  # unchanged file -> the folder holding it
         self._lock = threading.Lock()
         self._sent = 0  # every part's bytes, for the test seam's "progress"
         self._file_sent = 0  # the file being sent, taken back if it is not kept
@@ -191,37 +197,27 @@ class S3Staging:
         return set(pending)
 
     def copy(self, relative: str, durable: DurableFile, key: StatKey) -> Optional[StagedFile]:
+        """Refer to the durable checkpoint's equal file (``s3_refs``), once HeadObject
+        shows it there at its size: nothing is sent or copied now."""
         if durable.size == 0:
-            return None  # nothing to copy: an empty object costs no bytes either way
-        source = {"Bucket": self.location.bucket,
-                  "Key": self.location.key(durable.checkpoint, relative)}
+            return None  # an empty object costs no bytes either way
         self.drop(relative)
-        upload_id = ""
         try:
-            head = self.client.head_object(**source)
-            if int(head["ContentLength"]) != durable.size:
-                return None
-            upload_id = self.client.create_multipart_upload(
-                Bucket=self.location.bucket, Key=self._key(relative))["UploadId"]
-            parts = []
-            for number, start in enumerate(range(0, durable.size, MAX_PART_SIZE), start=1):
-                end = min(durable.size, start + MAX_PART_SIZE) - 1
-                answer = self.client.upload_part_copy(
-                    Bucket=self.location.bucket, Key=self._key(relative), UploadId=upload_id,
-                    PartNumber=number, CopySource=source, CopySourceRange=f"bytes={start}-{end}")
-                parts.append({"PartNumber": number, "ETag": answer["CopyPartResult"]["ETag"]})
+            head = self.client.head_object(
+                Bucket=self.location.bucket, Key=self.location.key(durable.checkpoint, relative))
         except ClientError:
-            if upload_id:
-                self._abort(relative, upload_id)
             return None  # the caller sends the bytes
-        self._uploads[relative] = (upload_id, parts)
+        if int(head["ContentLength"]) != durable.size:
+            return None
+        self._references[relative] = durable.checkpoint
         staged = StagedFile(relative, durable.size, durable.sha256, key,
-                            copied_from=durable.checkpoint)
+                            copied_from=durable.checkpoint, stored_in=durable.checkpoint)
         self.files[relative] = staged
         return staged
 
     def drop(self, relative: str) -> None:
         self.files.pop(relative, None)
+        self._references.pop(relative, None)
         upload = self._uploads.pop(relative, None)
         if upload is not None and upload[0]:
             self._abort(relative, upload[0])
@@ -245,10 +241,14 @@ class S3Staging:
 
         workers = max(1, min(self.storage.concurrency, len(self._uploads) or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(complete, [entry.path for entry in info.files]))
+            list(pool.map(complete, [entry.path for entry in info.files
+                                     if entry.path not in self._references]))
         self._uploads.clear()
         self._phase("files-uploaded", name)
-        verify_sizes(self.client, self.storage, self.location, name, info.files)
+        # Before the manifest, and always: a re-save under this name drops stale ones.
+        write_references(self.client, self.location, name, self._references)
+        verify_sizes(self.client, self.storage, self.location, name, info.files,
+                     self._references)
         self._phase("sizes-verified", name)
         self.client.put_object(Bucket=bucket, Key=self.location.manifest_key(name),
                                Body=manifest, ContentType="application/json")
@@ -260,6 +260,7 @@ class S3Staging:
             with contextlib.suppress(Exception):
                 self.drop(relative)
         self.files.clear()
+        self._references.clear()
 
 
 def _read_full(handle: int, size: int) -> bytes:

@@ -1,11 +1,11 @@
-"""One checkpoint up (files, size check, manifest last) or down (verified), with boto3.
+"""S3 / TOS with boto3: the uploader's destination and the way back down.
 
-The order of an upload is the whole guarantee: (1) a remote manifest that differs from
-ours is deleted first, so old and new files never look complete together; (2) every
-file goes up through boto3's transfer manager, multipart with parallel parts; (3) every
-object's size is read back (HeadObject) and compared with the manifest; (4) only then is
-``MANIFEST.json`` written. A kill at any point leaves a remote folder without a manifest,
-which restore never takes for a checkpoint.
+Up: :class:`S3Destination` commits a checkpoint through ``s3_stage`` (multipart uploads
+completed only once the manifest landed and every file passed the commit check, the
+manifest last; an unchanged file by reference, ``s3_refs``). A kill at any point leaves a
+remote folder without a manifest, which restore never takes for a checkpoint.
+Down: listing the remote folders, parsing a manifest with the checkpoint module's own
+reader, and downloading the files a manifest lists (each from the folder that holds it).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Callable, Optional
 
 from boto3.s3.transfer import create_transfer_manager
@@ -27,12 +28,12 @@ from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointInfo,
     Invalid,
-    open_listed,
     read_manifest,
 )
 from sidecar.host.upload.commit_check import DurableFile, StagingDestination, durable_entries
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.s3_stage import S3Staging, read_remote_manifest, verify_sizes
+from sidecar.host.upload.s3_refs import materialize, read_references, source_key
+from sidecar.host.upload.s3_stage import S3Staging, read_remote_manifest
 from sidecar.host.upload.storage import (
     StorageConfig,
     describe_error,
@@ -50,7 +51,6 @@ __all__ = [
     "list_remote_names",
     "parse_manifest",
     "read_remote_manifest",
-    "upload_checkpoint",
 ]
 
 WAIT_SLICE_SECONDS = 0.2
@@ -157,58 +157,6 @@ def _run_transfers(
         manager.shutdown()  # waits for cancelled transfers to wind down
 
 
-def upload_checkpoint(
-    client: Any,
-    storage: StorageConfig,
-    location: S3Location,
-    info: CheckpointInfo,
-    manifest: bytes,
-    *,
-    on_progress: Callable[[int], None],
-    should_stop: Callable[[], Optional[str]],
-    before_manifest: Callable[[], None] = lambda: None,
-) -> None:
-    """Upload one local checkpoint; the remote manifest (``manifest``, the local bytes) is
-    written last. ``before_manifest`` runs after the size check and may raise to stop
-    (the uploader re-checks that the local folder was not replaced meanwhile). Raises
-    ``Cancelled`` when ``should_stop`` returns a reason, boto3's errors otherwise."""
-    name = info.name
-    remote = read_remote_manifest(client, location, name)
-    if remote is not None and remote != manifest:
-        # A re-save under the same name: from here on the remote folder is incomplete.
-        client.delete_object(Bucket=location.bucket, Key=location.manifest_key(name))
-        _phase("stale-manifest-deleted", name)
-
-    # Every file opened first, following no link (issue 22, item 3): boto3 then reads the
-    # opened file itself, through /proc/self/fd, so a file swapped for a link after this
-    # check is never read.
-    handles = []
-    try:
-        for entry in info.files:
-            handles.append(open_listed(info.path, entry.path))
-
-        def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
-            return [
-                manager.upload(_opened(handle), location.bucket,
-                               location.key(name, entry.path), subscribers=[progress])
-                for handle, entry in zip(handles, info.files)
-            ]
-
-        _run_transfers(client, storage, submit, on_progress, should_stop)
-    finally:
-        for handle in handles:
-            os.close(handle)
-    _phase("files-uploaded", name)
-    verify_sizes(client, storage, location, name, info.files)
-    _phase("sizes-verified", name)
-    before_manifest()
-    client.put_object(
-        Bucket=location.bucket, Key=location.manifest_key(name), Body=manifest,
-        ContentType="application/json",
-    )
-    _phase("manifest-written", name)
-
-
 def download_files(
     client: Any,
     storage: StorageConfig,
@@ -218,8 +166,10 @@ def download_files(
     *,
     on_progress: Callable[[int], None] = lambda count: None,
     should_stop: Callable[[], Optional[str]] = lambda: None,
+    references: Mapping[str, str] = MappingProxyType({}),
 ) -> None:
-    """Download every file the manifest lists into ``into`` (parallel, ranged GETs)."""
+    """Download every file the manifest lists into ``into`` (parallel, ranged GETs); a
+    file in ``references`` from the older folder that holds it (``s3_refs``)."""
     for entry in info.files:
         target = into / entry.path
         if into.resolve() not in target.resolve().parents:  # read_manifest checks too
@@ -228,7 +178,8 @@ def download_files(
 
     def submit(manager: Any, progress: BaseSubscriber) -> list[Any]:
         return [
-            manager.download(location.bucket, location.key(info.name, entry.path),
+            manager.download(location.bucket,
+                             source_key(location, info.name, entry.path, references),
                              str(into / entry.path), subscribers=[progress])
             for entry in info.files
         ]
@@ -291,15 +242,22 @@ class S3Destination(StagingDestination):
         return S3Staging(self.client(), self.storage, self.location, name, phase=_phase)
 
     def durable_files(self, name: str) -> dict[str, DurableFile]:
-        """The files of the durable checkpoint ``name`` whose sha256 its manifest records."""
-        raw = self.remote_manifest(name)
+        """The files of the durable checkpoint ``name`` whose sha256 its manifest records,
+        each in the folder that holds its bytes (``s3_refs``)."""
+        client = self.client()
+        raw = read_remote_manifest(client, self.location, name)
         if raw is None:
             return {}
         try:
             info = parse_manifest(raw, Path(name))
+            references = read_references(client, self.location, name)
         except Invalid:
             return {}
-        return durable_entries(name, info)
+        return durable_entries(name, info, references)
+
+    def make_self_contained(self, name: str, should_stop: Callable[[], Optional[str]]) -> int:
+        """Copy the files ``name`` refers to into its folder, server side (``s3_refs``)."""
+        return materialize(self.client(), self.location, name, should_stop)
 
     def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
         """``amount`` bytes sent as the parts of a multipart upload under a hidden folder

@@ -100,6 +100,10 @@ class Destination(Protocol):
         """Send ``amount`` bytes where nothing reads them (``probe.LinkProbe``)."""
         ...
 
+    def make_self_contained(self, name: str, should_stop: Callable[[], Optional[str]]) -> int:
+        """Bring into ``name``'s folder the files it refers to elsewhere (``s3_refs``)."""
+        ...
+
 log = logging.getLogger("sidecar.host.upload")
 
 MARKER_NAME = UPLOADING_MARKER  # pins the folder against retention while it uploads
@@ -172,6 +176,10 @@ class Uploader:
         # The newest checkpoint this uploader made durable: its files, which an unchanged
         # file of the next one reuses (issue 23, item 2).
         self._durable: dict[str, DurableFile] = {}
+        # Durable checkpoints whose unchanged files are still kept in an older folder:
+        # made self-contained while idle (``s3_refs.materialize``).
+        self._referring: list[str] = []
+        self._durable_name: Optional[str] = None  # whose files self._durable holds
         self._started_at = clock()
         self._prepared = False
         self._storage_retry_at = 0.0
@@ -260,11 +268,38 @@ class Uploader:
         if record is None:
             if self._stream_once():
                 return 0.0
+            if self._referring:
+                self._self_contain(self._referring[-1])
+                return 0.0
             if self._probe is not None:
                 self._probe.run_if_due(self._probe_should_stop)
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
+
+    def _self_contain(self, name: str) -> None:
+        """Copy server-side what ``name`` refers to; it gives way like a probe does."""
+        try:
+            copied = self.destination.make_self_contained(name, self._probe_should_stop)
+        except Cancelled:
+            return  # again once idle
+        except Exception as exc:
+            log.warning("%s still reads unchanged files from an older folder, which must "
+                        "stay: %s", name, self.destination.describe_error(
+                            exc, f"copying {name}'s unchanged files into its folder"))
+        else:
+            if copied:
+                log.info("%s is self-contained: %d unchanged file(s) copied into its folder "
+                         "on the server side", name, copied)
+            if name == self._durable_name:  # every file is in its own folder now
+                self._durable = {path: DurableFile(name, entry.size, entry.sha256)
+                                 for path, entry in self._durable.items()}
+        self._referring.remove(name)
+
+    def _note_references(self, name: str) -> None:
+        self._durable_name = name
+        if any(entry.checkpoint != name for entry in self._durable.values()):
+            self._referring = [other for other in self._referring if other != name] + [name]
 
     def _probe_should_stop(self) -> Optional[str]:
         """A probe gives way to anything the folder does (a checkpoint saved, a save
@@ -394,9 +429,11 @@ class Uploader:
                                          note="already complete in storage")
                 log.info("%s is already complete in %s", record.name, self.destination.url)
                 self._durable = self.destination.durable_files(record.name)
+                self._note_references(record.name)
                 self._succeeded()
             else:
                 sent = self._upload(record, info, raw, folder, inode, save)
+                self._note_references(record.name)
                 duration = time.monotonic() - started
                 self.tracker.record_done(
                     record.name, duration=duration, note=None, sent_after_save=sent,
@@ -452,7 +489,8 @@ class Uploader:
             info, raw, on_progress=progress, should_stop=lambda: self._should_yield(record),
             before_manifest=unchanged, staging=staging, durable=self._durable,
         )
-        self._durable = {staged.path: DurableFile(record.name, staged.size, staged.sha256)
+        self._durable = {staged.path: DurableFile(staged.stored_in or record.name, staged.size,
+                                                  staged.sha256)
                          for staged in staging.files.values()}
         return max(0, sent[0])
 

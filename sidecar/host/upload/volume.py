@@ -254,6 +254,10 @@ class VolumeDestination(StagingDestination):
             return {}
         return durable_entries(name, info)
 
+    def make_self_contained(self, name: str, should_stop: Callable[[], Optional[str]]) -> int:
+        """Nothing to do: an unchanged file is a hard link, in its own folder already."""
+        return 0
+
     def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
         """``amount`` bytes written (at the volume's cap) and fsynced into a hidden staging
         folder, then removed (``probe.LinkProbe``)."""

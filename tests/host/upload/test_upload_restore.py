@@ -13,6 +13,7 @@ from upload_support import (
     MIB,
     SECRET_KEY,
     S3Server,
+    commit_to_s3,
     isolate_aws_env,
     make_checkpoint,
 )
@@ -21,7 +22,6 @@ from sidecar.checkpoint.folders import LATEST_NAME, latest_valid
 from sidecar.cli import main
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.restore import restore
-from sidecar.host.upload.transfer import upload_checkpoint
 from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
 
 
@@ -34,9 +34,7 @@ def upload(s3: S3Server, location: S3Location, root: Path, step: int,
            sizes: dict[str, int]) -> Path:
     """Commit a checkpoint locally and upload it the way the uploader does."""
     info = make_checkpoint(root, step, sizes)
-    upload_checkpoint(s3.client(), s3.storage(), location, info,
-                      (info.path / "MANIFEST.json").read_bytes(),
-                      on_progress=lambda count: None, should_stop=lambda: None)
+    commit_to_s3(s3, location, info)
     return info.path
 
 

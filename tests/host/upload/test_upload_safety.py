@@ -278,7 +278,6 @@ def test_restore_refuses_links_on_the_volume_and_takes_the_newest_valid_one(
 def test_a_file_swapped_for_a_link_is_never_uploaded_to_s3(tmp_path: Path) -> None:
     support = pytest.importorskip("upload_support")
     from sidecar.host.upload.location import S3Location
-    from sidecar.host.upload.transfer import upload_checkpoint
 
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -290,13 +289,11 @@ def test_a_file_swapped_for_a_link_is_never_uploaded_to_s3(tmp_path: Path) -> No
             (info.path / "model.pt").unlink()
             (info.path / "model.pt").symlink_to(secret)
             with pytest.raises(Invalid, match=r"model\.pt is a symbolic link"):
-                upload_checkpoint(s3.client(), s3.storage(), location, info, manifest_of(info),
-                                  on_progress=lambda count: None, should_stop=lambda: None)
+                support.commit_to_s3(s3, location, info)
             assert s3.keys(location) == []
             # An honest checkpoint still goes, through the opened file.
             honest = save(tmp_path / "local", 2, {"model.pt": os.urandom(11 << 20)})
-            upload_checkpoint(s3.client(), s3.storage(), location, honest, manifest_of(honest),
-                              on_progress=lambda count: None, should_stop=lambda: None)
+            support.commit_to_s3(s3, location, honest)
             key = location.key(honest.name, "model.pt")
             assert s3.get(location, key) == (honest.path / "model.pt").read_bytes()
     finally:

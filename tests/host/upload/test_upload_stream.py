@@ -26,6 +26,8 @@ from upload_support import MIB, S3Server, isolate_aws_env, wait_for
 
 from sidecar.checkpoint import folders
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
+from sidecar.host.upload import transfer
+from sidecar.host.upload.s3_refs import REFERENCES_NAME, read_references, source_key
 from sidecar.host.upload.uploader import Uploader, UploaderConfig
 from sidecar.host.upload.volume import VolumeDestination
 
@@ -37,6 +39,7 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     isolate_aws_env(monkeypatch)
     yield
     folders._phase_hook = None
+    transfer._phase_hook = None
 
 
 class Target:
@@ -81,10 +84,12 @@ class Target:
         return sorted(upload["Key"] for upload in self.s3.multipart_uploads(self.bucket))
 
     def content(self, name: str, relative: str) -> bytes:
+        """The file as restore reads it (on S3, from the folder its references name)."""
         if self.kind == "volume":
             return (self.volume / name / relative).read_bytes()
         assert self.s3 is not None
-        return self.s3.get(self.bucket, self.bucket.key(name, relative))
+        references = read_references(self.s3.client(), self.bucket, name)
+        return self.s3.get(self.bucket, source_key(self.bucket, name, relative, references))
 
     def complete(self) -> Optional[int]:
         """The step restore would pick there, checked against its manifest."""
@@ -261,11 +266,18 @@ def test_an_unchanged_file_is_not_sent_again(
 ) -> None:
     root = tmp_path / "local"
     frozen, weights = os.urandom(4 * MIB), os.urandom(MIB)
+    at_commit: list[list[str]] = []
     with running(target.uploader(root)) as uploader:
         checkpoint(root, 1, {"frozen.bin": frozen, "weights.bin": weights}, checksum)
         wait_for(lambda: state(uploader, "step_00000001") == "done", timeout=20)
         before = bytes_sent(uploader)
         assert before >= 5 * MIB
+
+        def seen(phase: str, detail: object) -> None:
+            if phase == "manifest-written" and detail == "step_00000002":
+                at_commit.append(target.visible())
+
+        transfer._phase_hook = seen
         changed = os.urandom(MIB)
         checkpoint(root, 2, {"frozen.bin": frozen, "weights.bin": changed}, checksum)
         wait_for(lambda: state(uploader, "step_00000002") == "done", timeout=20)
@@ -273,8 +285,18 @@ def test_an_unchanged_file_is_not_sent_again(
         # The changed file only (sent once, or again if it was caught half-written),
         # never the 4 MiB frozen one.
         assert bytes_sent(uploader) - before < 4 * MIB
+        if target.kind == "s3":  # then copied into its own folder while idle
+            own = target.bucket.key("step_00000002", "frozen.bin")
+            refs = target.bucket.key("step_00000002", REFERENCES_NAME)
+            wait_for(lambda: own in target.visible() and refs not in target.visible(),
+                     timeout=20)
     assert sent is not None and sent.bytes_after_save is not None
     assert sent.bytes_after_save <= MIB
+    if target.kind == "s3":
+        # Durable with the frozen file still only in step 1's folder, by reference.
+        assert at_commit and own not in at_commit[0] and refs in at_commit[0]
+        target.s3.client().delete_object(  # type: ignore[union-attr]
+            Bucket=target.bucket.bucket, Key=target.bucket.key("step_00000001", "frozen.bin"))
     assert target.content("step_00000002", "frozen.bin") == frozen
     assert target.content("step_00000002", "weights.bin") == changed
     if target.kind == "volume":  # a hard link: each checkpoint owns its file
