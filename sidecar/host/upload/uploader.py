@@ -4,7 +4,9 @@ A cycle: scan the checkpoint root (``list_checkpoints``: manifest present, sizes
 pick the newest checkpoint not yet durable, commit it at the destination (the files
 sent while it was saved checked, the others sent: ``commit_check.complete``, manifest
 last), repeat; with nothing to commit, send one finished file of a save in progress
-(``stream``); sleep until the folder changes (inotify) or the next rescan.
+(``stream``), else copy into a durable S3 checkpoint the unchanged files it still reads
+from an older folder (``s3_refs``), else probe the link when due (``probe``); sleep until
+the folder changes (inotify) or the next rescan.
 
 - Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
   is durable every older one still waiting is skipped: resuming needs only the newest.
