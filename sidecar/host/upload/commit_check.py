@@ -70,7 +70,6 @@ class StagedFile:
     size: int
     sha256: str
     key: StatKey  # the local file's key while it was read
-    copied_from: Optional[str] = None  # the durable checkpoint it was copied from
     stored_in: Optional[str] = None  # the folder that keeps its bytes, when not its own
 
 

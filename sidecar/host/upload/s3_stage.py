@@ -211,7 +211,7 @@ class S3Staging:
             return None
         self._references[relative] = durable.checkpoint
         staged = StagedFile(relative, durable.size, durable.sha256, key,
-                            copied_from=durable.checkpoint, stored_in=durable.checkpoint)
+                            stored_in=durable.checkpoint)
         self.files[relative] = staged
         return staged
 

@@ -159,8 +159,7 @@ class VolumeStaging:
         except OSError:  # links refused here (EXDEV, EPERM, EMLINK): a copy in the kernel
             if not _copy_in_kernel(source, target, durable.size):
                 return None
-        staged = StagedFile(relative, durable.size, durable.sha256, key,
-                            copied_from=durable.checkpoint)
+        staged = StagedFile(relative, durable.size, durable.sha256, key)  # in its own folder
         self.files[relative] = staged
         return staged
 
