@@ -60,6 +60,15 @@ def _number(body: Mapping[str, Any], key: str, *, optional: bool = True) -> Opti
     return float(value)
 
 
+def _count(body: Mapping[str, Any], key: str) -> Optional[int]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"field {key!r} is not a count (an integer >= 0): {value!r}")
+    return value
+
+
 def _text(body: Mapping[str, Any], key: str) -> Optional[str]:
     value = body.get(key)
     if value is None:
@@ -143,6 +152,10 @@ class Expiry:
     # "degraded"). Both None on a daemon that does not upload: a local save is durable.
     upload_seconds: Optional[float] = None
     upload_status: Optional[str] = None
+    # How many uploads that estimate's rate rests on (at most the uploader's window of
+    # 10; 0: none yet, a probe or the configured cap); None on a daemon that does not
+    # say (one from before this field): a guard then trusts the estimate as it is.
+    upload_measured: Optional[int] = None
     # Every source's notices (source, kind, expires_at, expires_at_unix, remaining_seconds,
     # advisory, detail, observed_at, stale), the earliest deadline first, advice last.
     notices: tuple[dict[str, Any], ...] = ()
@@ -181,6 +194,7 @@ class Expiry:
             assumed_timezone=_text(body, "assumed_timezone"),
             upload_seconds=_number(body, "upload_seconds"),
             upload_status=_text(body, "upload_status"),
+            upload_measured=_count(body, "upload_measured"),
             notices=_notices(body),
             drill=_drill(body),
         )

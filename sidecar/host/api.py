@@ -57,7 +57,7 @@ class UploadsView(Protocol):
 
     def collect(self) -> list[Metric]: ...
 
-    def durability(self) -> tuple[Optional[float], str]: ...
+    def durability(self) -> tuple[Optional[float], str, int]: ...
 
 
 def current_expiry(store: Store, uploads: Optional[UploadsView], now: float,
@@ -70,8 +70,9 @@ def current_expiry(store: Store, uploads: Optional[UploadsView], now: float,
         expiry = replace(expiry, drill=drill)
     if uploads is None:
         return expiry
-    upload_seconds, status = uploads.durability()
-    return replace(expiry, upload_seconds=upload_seconds, upload_status=status)
+    upload_seconds, status, measured = uploads.durability()
+    return replace(expiry, upload_seconds=upload_seconds, upload_status=status,
+                   upload_measured=measured)
 
 
 class HealthBody(BaseModel):

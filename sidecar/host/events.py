@@ -89,7 +89,7 @@ UnixTime = Annotated[float, Field(ge=_EARLIEST_UNIX, le=_LATEST_UNIX, allow_inf_
 # Printable, one line: what a log line or a dashboard shows as is.
 Text = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[^\x00-\x1f\x7f]*$")]
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
-SaveKind = Literal["final", "top-up", "routine"]
+SaveKind = Literal["final", "top-up", "routine", "fallback"]
 JobState = Literal["training", "saving", "waiting", "stopped"]
 
 
@@ -104,7 +104,8 @@ class JobEvent(BaseModel):
     rank: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None
     at_unix: Optional[UnixTime] = None  # when it happened (default: when it arrived)
     step: Optional[Step] = None  # the training step a checkpoint holds
-    save: Optional[SaveKind] = None  # which save: the final one, the top-up, a routine one
+    # Which save: the final one, the top-up, a routine one, the fallback before the final.
+    save: Optional[SaveKind] = None
     seconds: Optional[Seconds] = None  # save-finished: how long the save took
     asynchronous: Optional[bool] = None  # save-finished: its writing goes on after seconds
     lead_seconds: Optional[SignedSeconds] = None  # durable: how long before the release

@@ -52,12 +52,14 @@ def _kept(known: Expiry, why: str) -> Expiry:
 def _with_slowest_upload(chosen: Expiry, answers: list[Expiry]) -> Expiry:
     """The slowest node's upload counts (every node's checkpoint must be durable; a node
     that stopped answering counts with its last answer), and any node's uploader in
-    trouble makes the whole answer say so."""
+    trouble makes the whole answer say so; the estimate resting on the fewest uploads
+    says how far the answer can be trusted."""
     estimates = [a.upload_seconds for a in answers if a.upload_seconds is not None]
     states = [a.upload_status for a in answers if a.upload_status is not None]
     status = next((s for s in ("degraded", "uploading", "ok") if s in states), None)
+    counts = [a.upload_measured for a in answers if a.upload_measured is not None]
     return replace(chosen, upload_seconds=max(estimates) if estimates else None,
-                   upload_status=status)
+                   upload_status=status, upload_measured=min(counts) if counts else None)
 
 
 def _check_token(token: str) -> str:

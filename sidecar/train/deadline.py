@@ -130,6 +130,7 @@ class DeadlineTracker:
         # The daemons' upload estimate and state, as last answered (kept while unreachable).
         self._upload_seconds: Optional[float] = None
         self._upload_status: Optional[str] = None
+        self._upload_measured: Optional[int] = None
         self._drill: Optional[dict[str, object]] = None  # the daemon's drill under way
 
     @property
@@ -153,6 +154,12 @@ class DeadlineTracker:
         """How long a checkpoint saved now takes to become durable in storage (the slowest
         node's estimate); None without an uploader or before it knows."""
         return self._upload_seconds
+
+    @property
+    def upload_measured(self) -> Optional[int]:
+        """How many uploads the estimate rests on (``Expiry.upload_measured``, the
+        fewest of the nodes'); None when the daemons do not say."""
+        return self._upload_measured
 
     @property
     def upload_status(self) -> Optional[str]:
@@ -226,6 +233,7 @@ class DeadlineTracker:
         if not says_nothing:
             self._daemon_deadline = answer.expires_at_unix
         self._upload_seconds, self._upload_status = answer.upload_seconds, answer.upload_status
+        self._upload_measured = answer.upload_measured
         self._reachable = error is None
         self._current = error is None and not degraded and not says_nothing
         if self._warned_unreachable:

@@ -370,9 +370,11 @@ class CheckpointGuard:
         asked = self._last_save_decision
         budget = None if asked is None else asked.budget_seconds
         self._routine.saved(started_unix)  # any save restarts the routine interval
-        rule = None if asked is None or asked.routine else asked  # the rule's own save
+        # The rule's own save (a routine or fallback save is for no deadline).
+        rule = None if asked is None or asked.routine or asked.fallback else asked
         self.policy.record_save(
-            seconds, started_unix=started_unix, deadline_unix=deadline_unix, budget_seconds=budget
+            seconds, started_unix=started_unix, deadline_unix=deadline_unix,
+            budget_seconds=budget, fallback=asked is not None and asked.fallback,
         )
         self._notes.saved(step, started_unix)
         self._loop.pause(seconds)  # a save is not a step
@@ -513,6 +515,8 @@ class CheckpointGuard:
             typical_step_seconds=vote.typical_step_seconds,
             # Ranks measure apart: across ranks, the fixed margin ("auto" is per process).
             margin_seconds=policy.margin_for(None, 0.0, None) if collective else None,
+            # Unknown (a reducer of seven floats): no fallback save, on every rank alike.
+            at_risk_seconds=vote.at_risk_seconds or 0.0,
         )
         self._drill.decided(vote, decision, agreed=reduce)
         decision = with_routine(decision, vote.routine_overdue_seconds)
@@ -552,6 +556,7 @@ class CheckpointGuard:
             routine_overdue_seconds=self._routine.overdue(now_unix, JobFigures(
                 policy.step_estimate(), policy.save_estimate(), self._upload.seconds()),
                 self.sigterm, self._notes.last_saved) if self._vote.drills else None,
+            at_risk_seconds=policy.at_risk_seconds() if self._vote.drills else None,
         )
 
     def _sigterm_deadline(self) -> Optional[float]:

@@ -72,6 +72,8 @@ def save_kind(asked: Optional[PolicyDecision]) -> str:
     """What a save made now is for, as the guard follows it: the decision that asked."""
     if asked is None or not asked.save_now or asked.routine:
         return "routine"
+    if asked.fallback:
+        return "fallback"
     return "top-up" if asked.top_up else "final"
 
 

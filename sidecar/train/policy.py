@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from sidecar.train import margin as auto_margin
+from sidecar.train.fallback import fallback_reason
 from sidecar.train.routine import check_routine
 
 __all__ = [
@@ -117,6 +118,9 @@ class PolicyDecision:
     # A routine save (sidecar.train.routine): no notice holds a save, so the guard asks
     # one at the Young/Daly interval; it is never the final save and disarms nothing.
     routine: bool = False
+    # A fallback save (sidecar.train.fallback): made before the final save, when that one
+    # rests on an upload longer than the margin; it covers no deadline.
+    fallback: bool = False
 
 
 def check_seconds(name: str, value: object) -> float:
@@ -206,6 +210,9 @@ class SavePolicy:
       notice (or the SIGTERM grace) is shorter than step + save + upload, every
       sqrt(2 x save x mean time between reclaims); a number: every that many seconds,
       always; None: never (the behaviour before). Any save restarts the interval.
+    - ``fallback_saves``: True (default): one save before the final one when the final
+      one rests on an upload longer than the margin, timed so that its own upload ends
+      before the final save starts (``sidecar.train.fallback``); False: none (before).
 
     Invalid values raise ``ValueError`` naming the argument: this is the user's own code,
     so failing at construction is better than a wrong decision hours later.
@@ -220,6 +227,7 @@ class SavePolicy:
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
     try_late_saves: Union[bool, str] = False
     routine_seconds: Union[str, float, None] = "auto"
+    fallback_saves: bool = True
 
     _steps: deque[float] = field(init=False, repr=False)
     _saves: deque[float] = field(init=False, repr=False)
@@ -253,6 +261,8 @@ class SavePolicy:
         if self.top_up_seconds is not None:
             self.top_up_seconds = check_seconds("top_up_seconds", self.top_up_seconds)
         self.routine_seconds = check_routine(self.routine_seconds)
+        if not isinstance(self.fallback_saves, bool):
+            raise ValueError(f"fallback_saves must be True or False, got {self.fallback_saves!r}")
         self._steps = deque(maxlen=self.window)
         self._saves = deque(maxlen=self.save_window)
 
@@ -278,6 +288,7 @@ class SavePolicy:
         started_unix: float,
         deadline_unix: Optional[float],
         budget_seconds: Optional[float] = None,
+        fallback: bool = False,
     ) -> None:
         """Add one measured save that started at ``started_unix`` (wall clock).
 
@@ -303,6 +314,10 @@ class SavePolicy:
         used, passed by the guard), the budget before this measurement and the budget
         after it, so a save that turns out faster than assumed never shrinks the cover
         below the decision that asked for it (which would re-arm at once and save twice).
+
+        ``fallback``: the save was the fallback save (``sidecar.train.fallback``): it is
+        measured and resets the training at risk, but covers nothing, not even until the
+        next step: the deadline it was made before still gets its final save.
         """
         seconds = check_seconds("seconds", seconds)
         if not math.isfinite(started_unix):
@@ -315,6 +330,8 @@ class SavePolicy:
         after = self._budget(self.step_estimate(), self.save_estimate())
         budget = max(before, after, budget_seconds or 0.0)
         cover = started_unix + budget
+        if fallback:
+            return
         self._fresh_cover_until_unix = cover
         if deadline_unix is None or deadline_unix > cover:
             return  # a routine save: not made for any deadline
@@ -414,6 +431,12 @@ class SavePolicy:
         self._fresh_cover_until_unix = None
         self._after_final = math.inf
 
+    def at_risk_seconds(self) -> float:
+        """Training since the last save of any kind (0 before a step). Exposed so that the
+        guard can reduce it across ranks with MIN (the ranks that recorded the save win,
+        as for :meth:`steps_after_final`)."""
+        return self._at_risk_seconds
+
     def steps_after_final(self) -> float:
         """Steps trained since the final save, -1 once the top-up save after it was made,
         ``inf`` before any final save. Exposed so that the guard can reduce it across
@@ -474,6 +497,7 @@ class SavePolicy:
         steps_after_final: Optional[float] = None,
         typical_step_seconds: Optional[float] = None,
         margin_seconds: Optional[float] = None,
+        at_risk_seconds: Optional[float] = None,
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
 
@@ -490,7 +514,8 @@ class SavePolicy:
         ``steps_after_final``: see :meth:`steps_after_final` (None: this policy's own).
         ``typical_step_seconds``: the step the top-up save budgets (see
         :meth:`typical_step_estimate`; None: ``step_seconds``). ``margin_seconds``: the
-        margin agreed across ranks (None: :meth:`margin_for`).
+        margin agreed across ranks (None: :meth:`margin_for`). ``at_risk_seconds``: the
+        training since the last save, for the fallback save (None: this policy's own).
         """
         durable_save = save_seconds + (upload_seconds or 0.0)
         if margin_seconds is not None or (remaining_seconds is not None and step_seconds):
@@ -499,7 +524,8 @@ class SavePolicy:
         budget = None if step_seconds is None else self._budget(step_seconds, durable_save)
 
         def decision(save_now: bool, stop: bool, reason: str, top_up: bool = False,
-                     too_late: bool = False, best_effort: bool = False) -> PolicyDecision:
+                     too_late: bool = False, best_effort: bool = False,
+                     fallback: bool = False) -> PolicyDecision:
             rearmed = (covered_seconds is not None and remaining_seconds is not None
                        and not covered)
             return PolicyDecision(
@@ -515,6 +541,7 @@ class SavePolicy:
                 too_late=too_late,
                 best_effort=best_effort,
                 rearmed=rearmed,
+                fallback=fallback,
             )
 
         covered = False
@@ -543,6 +570,11 @@ class SavePolicy:
             )
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
+        assert budget is not None  # a step was measured
+        reason = self._fallback_reason(remaining_seconds, budget, step_seconds,
+                                           save_seconds, upload_seconds, at_risk_seconds)
+        if reason is not None:
+            return decision(True, False, reason, fallback=True)
         if seed_rule(remaining_seconds, step_seconds, durable_save, self._margin_seconds)[0]:
             if remaining_seconds < durable_save and not self._tries_late(
                     remaining_seconds, durable_save):
@@ -561,6 +593,21 @@ class SavePolicy:
         return decision(
             False, False, f"remaining {remaining_seconds:.1f} s > budget {budget:.1f} s"
         )
+
+    def _fallback_reason(self, remaining_seconds: float, budget_seconds: float,
+                             step_seconds: float, save_seconds: float,
+                             upload_seconds: Optional[float],
+                             at_risk_seconds: Optional[float] = None) -> Optional[str]:
+        """Why a fallback save is due now (``sidecar.train.fallback``), None if none is
+        or ``fallback_saves`` is off."""
+        if not self.fallback_saves:
+            return None
+        return fallback_reason(
+            remaining_seconds, budget_seconds=budget_seconds, step_seconds=step_seconds,
+            save_seconds=save_seconds, upload_seconds=upload_seconds,
+            margin_seconds=self._margin_seconds,
+            at_risk_seconds=self._at_risk_seconds if at_risk_seconds is None
+            else at_risk_seconds)
 
     def _tries_late(self, remaining_seconds: float, durable_save: float) -> bool:
         if self.try_late_saves == LATE_SAVES_EXPECTED:  # the x save_margin taken off

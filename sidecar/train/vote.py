@@ -47,6 +47,7 @@ UNKNOWN_COVERED = -math.inf  # MAX: a save made on any rank covers everyone
 UNKNOWN_UPLOAD = -1.0  # MAX: the slowest node's upload counts
 UNKNOWN_AFTER_FINAL = math.inf  # MIN: the ranks that recorded the saves count
 UNKNOWN_ROUTINE = -math.inf  # MAX: a routine save due on any rank is made on every rank
+UNKNOWN_AT_RISK = math.inf  # MIN: the ranks that recorded the last save count
 
 # Scheduled reduction: when the deadline is far, the ranks agree at most this long (and
 # this many decisions) apart instead of at every step.
@@ -120,6 +121,8 @@ class Vote:
     drill_seconds: Optional[float] = vote_field(MIN, UNKNOWN_REMAINING)  # a drill's (drill.py)
     # How far past due a routine save is (routine.py; negative: not yet).
     routine_overdue_seconds: Optional[float] = vote_field(MAX, UNKNOWN_ROUTINE)
+    # Training since the last save (SavePolicy.at_risk_seconds; the fallback save's).
+    at_risk_seconds: Optional[float] = vote_field(MIN, UNKNOWN_AT_RISK)
 
     @classmethod
     def table(cls) -> tuple[VoteField, ...]:
@@ -155,8 +158,9 @@ class Vote:
 class SevenFloatReducer:
     """The old reducer protocol (seven positional floats), adapted to the list one.
 
-    The numbers past the seventh (the drill's, the routine save's) cannot travel through
-    it: a guard with such a reducer follows no drill and asks no routine save
+    The numbers past the seventh (the drill's, the routine save's, the training at risk)
+    cannot travel through it: a guard with such a reducer follows no drill and asks no
+    routine or fallback save
     (``CollectiveVote.drills``), so those slots are always "unknown"."""
 
     def __init__(self, reducer: Callable[..., Sequence[float]]) -> None:

@@ -120,6 +120,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> str:
         events = [
             {"kind": "step-estimate", "job": "host:1", "at_unix": now, "step_seconds": 2.0,
              "save_seconds": 30.0, "budget_seconds": 152.0, "remaining_seconds": 3600.0},
+            {"kind": "save-finished", "job": "host:1", "at_unix": now - 60, "step": 9,
+             "save": "fallback", "seconds": 3.4},  # SavePolicy.fallback_saves
             {"kind": "save-finished", "job": "host:1", "at_unix": now, "step": 10,
              "save": "final", "seconds": 3.5},
             {"kind": "durable", "job": "host:1", "at_unix": now, "step": 10, "save": "final",

@@ -254,7 +254,8 @@ def test_the_estimate_is_the_largest_recent_checkpoint_over_the_throughput() -> 
     assert capped.next_upload_seconds() == pytest.approx(20.0 * UPLOAD_MARGIN)  # the cap
     capped.record_done("step_1", duration=2.0, note=None)  # measured 50 MiB/s, capped at 5
     assert capped.throughput() == 5 * MIB
-    assert capped.durability() == (pytest.approx(20.0 * UPLOAD_MARGIN), "ok")
+    # The cap binds; the rate still rests on the one upload measured.
+    assert capped.durability() == (pytest.approx(20.0 * UPLOAD_MARGIN), "ok", 1)
 
 
 def test_a_bad_bandwidth_cap_stops_start_up_naming_the_setting() -> None:
@@ -265,3 +266,64 @@ def test_a_bad_bandwidth_cap_stops_start_up_naming_the_setting() -> None:
     for bad in ("fast", "-5MiB", "10"):
         with pytest.raises(ConfigError, match="--upload-max-bandwidth"):
             load_settings({"upload_max_bandwidth": bad}, environ={})
+
+
+def test_few_uploads_measured_keep_the_saved_estimate_and_a_long_upload_gets_a_fallback_save(
+    s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon says how many uploads its estimate rests on; below ten, the estimate the
+    checkpoint carried stays a floor. With an upload longer than the margin, the guard makes
+    a fallback save one durable save before the final one: it is not the final save (the
+    guard follows none), and the final save comes at the budget as before."""
+    deadline = time.time() + 3600
+    location = s3.bucket("durable-fallback")
+    make_checkpoint(tmp_path, 1, {"model.pt": 6 * MIB})
+    with serve_daemon(**settings(s3.endpoint, tmp_path, location, deadline,
+                                 upload_max_bandwidth=CAP)) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+        body = expiry(daemon.url)
+        assert body["upload_measured"] == 1
+        upload = body["upload_seconds"]  # about 3.6 s: 6 MiB at 2 MiB/s, x1.2
+
+        carried = upload + 20.0  # what the previous machine's uploader had measured
+        clock = Clock(deadline - 1000.0)
+        guard = CheckpointGuard(client, SavePolicy(save_seconds=0.1, redundant_seconds=1.0,
+                                                   top_up_seconds=None),
+                                clock=clock, refresh_seconds=0.0, environ={}, events=False,
+                                wait_for_release=False)
+        assert guard.load_state_dict({"version": 1, "policy": {},
+                                      "upload_seconds": carried})
+        for _ in range(40):
+            guard.record_step(1.0)  # 40 s trained: over 10 saves (0.1 s) and the lead
+        assert guard.should_save() is False  # far: 1000 s left
+        decision = guard.last_decision
+        assert decision is not None and decision.upload_seconds == pytest.approx(carried)
+        budget = 1.0 + 0.1 + carried + 1.0
+        assert decision.budget_seconds == pytest.approx(budget)
+        assert guard.state_dict()["upload_seconds"] == pytest.approx(carried)
+
+        # Inside (budget, budget + step + save + upload]: the fallback save.
+        caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+        clock.now = deadline - (budget + 1.0)
+        assert guard.should_save() is True
+        decision = guard.last_decision
+        assert decision is not None and decision.fallback and not decision.top_up
+        assert "fallback save now" in decision.reason
+        with guard.saving(step=2):
+            make_checkpoint(tmp_path, 2, {"model.pt": 6 * MIB})
+        assert guard.status().final_step is None  # a fallback is not the final save
+        assert guard.should_stop() is False
+        guard.record_step(1.0)
+        assert guard.should_save() is False  # 1 s trained since: less than the lead
+        clock.now = deadline - budget + 0.5
+        assert guard.should_save() is True
+        decision = guard.last_decision
+        assert decision is not None and not decision.fallback
+        with guard.saving(step=3):
+            make_checkpoint(tmp_path, 3, {"model.pt": 6 * MIB})
+        assert guard.status().final_step == 3
+        assert guard.should_stop() is True
+        wait_for(lambda: client.last_durable_step() == 3, timeout=30)
+        # Step 3's upload counts too (step 2's may have given way to it, unfinished).
+        assert expiry(daemon.url)["upload_measured"] >= 2

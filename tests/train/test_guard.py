@@ -608,7 +608,7 @@ def test_reducer_sentinels_for_unknown_values() -> None:
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
                      UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING,
-                     UNKNOWN_ROUTINE)]
+                     UNKNOWN_ROUTINE, 0.0)]  # nothing trained yet: 0 s at risk, known
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()

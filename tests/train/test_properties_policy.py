@@ -83,7 +83,9 @@ class Run:
         return rearm_after(self.scenario.options)
 
     def asked(self) -> list[Evaluation]:
-        return [e for e in self.evaluations if e.decision.save_now]
+        """The saves the rule asks for a deadline: the final and top-up ones (a fallback
+        save is made for none: test_the_window_rule_on_every_uncovered_decision)."""
+        return [e for e in self.evaluations if e.decision.save_now and not e.decision.fallback]
 
 
 def rearm_after(options: dict[str, Any]) -> float:
@@ -130,6 +132,7 @@ policy_options = st.fixed_dictionaries({
     "save_window": st.sampled_from([1, 5]),
     "top_up_seconds": st.sampled_from([None, 0.0, 5.0, 30.0]),
     "try_late_saves": st.booleans(),
+    "fallback_saves": st.booleans(),
 })
 
 # A movement comes at an iteration, or right after the first or second save (a renewal
@@ -387,15 +390,22 @@ def test_the_window_rule_on_every_uncovered_decision(scenario: Scenario) -> None
     """(5) The rule itself, from the estimates alone: while not covered, a final save is
     asked exactly when 0 < remaining <= step estimate + save estimate + upload + margin
     and (unless try_late_saves) remaining >= save estimate + upload, or when the deadline
-    passed (the best-effort save); never a top-up."""
+    passed (the best-effort save); never a top-up. A fallback save only with
+    fallback_saves, an upload longer than the margin, and budget < remaining <= budget +
+    step + save + upload."""
     run = simulate(scenario)
     upload = scenario.upload_seconds or 0.0
+    margin = scenario.options["redundant_seconds"]
     for e in run.evaluations:
         if is_covered(run, e) or e.step_estimate is None:
             continue
         remaining = e.deadline - e.now
-        budget = e.step_estimate + (e.save_estimate + upload) + scenario.options[
-            "redundant_seconds"]
+        budget = e.step_estimate + (e.save_estimate + upload) + margin
+        if e.decision.fallback:
+            assert scenario.options["fallback_saves"] and upload > margin, e
+            assert budget < remaining <= budget + e.step_estimate + e.save_estimate + upload, e
+            assert e.decision.save_now and not e.decision.stop, e
+            continue
         fits = remaining >= e.save_estimate + upload or scenario.options["try_late_saves"]
         expected = (0 < remaining <= budget and fits) or remaining <= 0  # <= 0: best effort
         assert e.decision.save_now == expected, (remaining, budget, e)

@@ -24,7 +24,16 @@ from sidecar.train.guard import (
     CheckpointGuard,
 )
 from sidecar.train.policy import SavePolicy
-from sidecar.train.vote import MAX, MIN, UNKNOWN_ROUTINE, Op, Vote, as_reducer, vote_field
+from sidecar.train.vote import (
+    MAX,
+    MIN,
+    UNKNOWN_AT_RISK,
+    UNKNOWN_ROUTINE,
+    Op,
+    Vote,
+    as_reducer,
+    vote_field,
+)
 
 MLP = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 
@@ -52,6 +61,7 @@ def test_the_table_is_the_dataclass_in_wire_order() -> None:
         ("typical_step_seconds", MAX, UNKNOWN_STEP),
         ("drill_seconds", MIN, UNKNOWN_REMAINING),
         ("routine_overdue_seconds", MAX, UNKNOWN_ROUTINE),
+        ("at_risk_seconds", MIN, UNKNOWN_AT_RISK),
     ]
     assert Vote.ops() == [op for _name, op, _unknown in table]
 
@@ -70,9 +80,9 @@ def test_unknown_travels_as_a_value_that_loses_and_comes_back_as_none() -> None:
     assert reduced == Vote(step_seconds=2.0)
     # Nothing a reducer returns that is not a number on the winning side is taken as known.
     garbage = [math.nan, math.inf, -math.inf, math.inf, math.nan, math.nan, UNKNOWN_STEP,
-               math.nan, math.inf]
+               math.nan, math.inf, math.nan]
     assert Vote.unpack(garbage) == Vote()
-    with pytest.raises(ValueError, match="returned 6 numbers, not 9"):
+    with pytest.raises(ValueError, match="returned 6 numbers, not 10"):
         Vote.unpack([0.0] * 6)
 
 
@@ -89,7 +99,7 @@ def test_adding_a_field_is_one_line() -> None:
     ranks = [WiderVote(remaining_seconds=50.0), WiderVote(queue_seconds=4.0, step_seconds=1.0)]
 
     def reducer(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        assert len(values) == len(ops) == 10
+        assert len(values) == len(ops) == 11
         return all_reduce([rank.pack() for rank in ranks], ops)
 
     assert ranks[0].reduced(reducer) == WiderVote(remaining_seconds=50.0, step_seconds=1.0,
@@ -109,7 +119,8 @@ def test_a_list_reducer_needs_no_warning_and_decides_on_the_reduced_vote() -> No
         guard = CheckpointGuard(SidecarClient(f"http://127.0.0.1:{closed_port()}"),
                                 environ={}, reducer=peer_knows_a_deadline, events=False)
     assert guard.should_save() is True
-    assert seen == [(Vote().pack(), Vote.ops())]  # this rank knows nothing
+    # This rank knows nothing but that it trained nothing yet.
+    assert seen == [(Vote(at_risk_seconds=0.0).pack(), Vote.ops())]
     decision = guard.last_decision
     assert decision is not None and decision.remaining_seconds == 140.0
     assert decision.budget_seconds == pytest.approx(20 + 5 + 120)
@@ -145,5 +156,5 @@ def test_a_seven_float_reducer_cannot_reduce_a_wider_vote() -> None:
     with pytest.warns(DeprecationWarning):
         adapted = as_reducer(lambda a, b, c, d, e, f, g: (a, b, c, d, e, f, g))
     assert list(adapted(Vote().pack(), Vote.ops())) == Vote().pack()
-    with pytest.raises(TypeError, match="cannot reduce a vote of 10 numbers"):
+    with pytest.raises(TypeError, match="cannot reduce a vote of 11 numbers"):
         WiderVote().reduced(adapted)

@@ -287,11 +287,14 @@ class UploadTracker:
                     if r.bytes_after_save is not None and r.duration_seconds is not None]
         return max([estimate, *(seconds * plan.ESTIMATE_MARGIN for seconds in measured)])
 
-    def durability(self) -> tuple[Optional[float], str]:
-        """What ``/v1/expiry`` serves: ``(next_upload_seconds, status)``."""
+    def durability(self) -> tuple[Optional[float], str, int]:
+        """What ``/v1/expiry`` serves: ``(next_upload_seconds, status, measured)``,
+        ``measured`` the number of uploads the estimate's rate rests on (at most
+        ``plan.RATE_WINDOW``)."""
         with self._lock:
             status = self._state()
-        return self.next_upload_seconds(), status
+            measured = len(self._rates)
+        return self.next_upload_seconds(), status, measured
 
     def _state(self) -> str:
         """"degraded", "uploading" or "ok"; call with the lock held."""

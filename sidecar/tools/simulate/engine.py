@@ -253,6 +253,11 @@ class Uploads:
                 self._start(self._waiting, ends)
                 self._waiting = None
 
+    def measured(self) -> int:
+        """How many uploads the estimate's rate rests on, as the daemon serves it
+        (``upload_measured``): those done here, at most ``plan.RATE_WINDOW``."""
+        return min(len(self._done), plan.RATE_WINDOW)
+
     def _left(self, now: float) -> float:
         """What the running upload still has to send at ``now`` (0: none runs)."""
         if self._running is None:
@@ -366,9 +371,13 @@ def simulate_run(
         return deadline
 
     agent = policy.make(RunInfo(trace=trace, reclaim_seconds=reclaim_seconds))
-    if workload.measured_saves and isinstance(agent, SidecarPolicy):
-        agent.resume(trace.earlier_saves())  # the guard's state from the checkpoint
+    queue = Uploads(known_deadline, first_estimate, link=trace.link, prior=prior,
+                    probe_rate=trace.probe_rate)
     if isinstance(agent, SidecarPolicy):
+        # The guard's state from the checkpoint: the saves measured before, if the
+        # workload says so, and the previous uploader's estimate.
+        agent.resume(trace.earlier_saves() if workload.measured_saves else [], first_estimate)
+        agent.uploads_measured(queue.measured)
         agent.source_notice(workload.notice)  # what GET /v1/protection would serve
     now = 0.0
     saving = idle = 0.0
@@ -376,8 +385,6 @@ def simulate_run(
     interrupted = False
     waiting = False
     trained: list[tuple[float, float]] = []  # (start, end) of every step, the cut one too
-    queue = Uploads(known_deadline, first_estimate, link=trace.link, prior=prior,
-                    probe_rate=trace.probe_rate)
     queue.add(Checkpoint(0.0, 0.0, 0.0))  # the run resumes from a durable checkpoint
 
     def estimate() -> Optional[float]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from sidecar.models import Expiry
 from sidecar.tools.simulate.workloads import Trace
-from sidecar.train.guard import CheckpointGuard
+from sidecar.train.guard import STATE_VERSION, CheckpointGuard
 from sidecar.train.policy import (
     DEFAULT_REDUNDANT_SECONDS,
     DEFAULT_SAVE_SECONDS,
@@ -169,6 +169,7 @@ class _KnownDeadline:
         self.now_seconds = 0.0
         self.deadline_seconds: Optional[float] = None
         self.upload_seconds: Optional[float] = None
+        self.upload_measured: Optional[int] = None
         self.notice: Optional[tuple[str, float]] = None
 
     def expiry(self) -> Expiry:
@@ -181,6 +182,7 @@ class _KnownDeadline:
             observed_at=None, age_seconds=0.0, stale=False, error=None,
             server_time_unix=self.now_seconds,
             upload_seconds=self.upload_seconds, upload_status="ok" if uploads else None,
+            upload_measured=self.upload_measured if uploads else None,
         )
 
     def is_durable(self, step: int) -> bool:
@@ -211,6 +213,7 @@ class SidecarPolicy:
         self.waits = waits
         self.policy = SavePolicy(**options)
         self._saves = 0
+        self._measured: Optional[Callable[[], int]] = None
         self.guard = CheckpointGuard(
             self._known,  # type: ignore[arg-type]  # duck-typed: expiry, urls, last_error
             self.policy,
@@ -230,11 +233,20 @@ class SidecarPolicy:
         self._known.now_seconds = now_seconds
         self._known.deadline_seconds = deadline_seconds
         self._known.upload_seconds = upload_seconds if self.uploads else None
+        self._known.upload_measured = None if self._measured is None else self._measured()
 
-    def resume(self, saves: list[float]) -> None:
-        """Seed the guard with the saves measured before the run, as a resumed job's
-        ``load_state_dict`` does."""
-        self.policy.load_state_dict({"saves": saves})
+    def resume(self, saves: list[float], upload_seconds: Optional[float]) -> None:
+        """Seed the guard with what the checkpoint carried, as a resumed job's
+        ``load_state_dict`` does: the saves measured before the run, and the upload
+        estimate of the uploader before."""
+        loaded = self.guard.load_state_dict({"version": STATE_VERSION, "policy": {"saves": saves},
+                                             "upload_seconds": upload_seconds})
+        assert loaded, "the simulator built a guard state the guard refused"
+
+    def uploads_measured(self, count: Callable[[], int]) -> None:
+        """How many uploads the daemon's estimate rests on (``Expiry.upload_measured``),
+        asked at every decision."""
+        self._measured = count
 
     def source_notice(self, notice: Optional[tuple[str, float]]) -> None:
         """The running source and its notice, which the daemon would serve the guard."""
@@ -362,6 +374,10 @@ POLICIES: dict[str, PolicyFactory] = {
                       "(routine_seconds=None): where no notice holds a save, a reclaim loses "
                       "all since the last checkpoint, as before",
                       lambda run: SidecarPolicy(routine_seconds=None)),
+        PolicyFactory("sidecar-no-fallback", "the sidecar without the fallback save "
+                      "(fallback_saves=False): the final save alone, even when it rests on "
+                      "an upload longer than the margin",
+                      lambda run: SidecarPolicy(fallback_saves=False)),
         PolicyFactory("sidecar-try-late", "the sidecar, but it starts a save even when less "
                       "time is left than the save is expected to take (try_late_saves=True)",
                       lambda run: SidecarPolicy(try_late_saves=True)),

@@ -1,0 +1,75 @@
+"""The fallback save: one save before the final one, when the final one rests on a long upload.
+
+Standard library only, no clock, no I/O (``SavePolicy(fallback_saves=True)``, the default).
+The final save is durable only once its upload ends, and the upload is the part of the
+budget the job measures least well: the link is shared, and a probe or the last upload
+only says how fast it was. A link that slows after the final save began (another tenant's
+transfer, a congested zone) makes the final upload end after the release, and the job then
+resumes from its previous durable checkpoint: all the training since is lost, two hours
+where the release was the only checkpoint. The simulator's ``link-halves`` missed 16 of 200
+releases so (docs/simulation.md).
+
+So, while the deadline is still one durable save beyond the final save's budget, a
+*fallback* save is made first, early enough that its upload ends before the final
+checkpoint reaches the uploader::
+
+    budget < remaining <= budget + step + save + upload
+
+(``budget``: the final save's, step + save + upload + margin; the extra step because the
+rule is checked between steps). The final save follows as it always did; if its upload
+is cut by the release, the next machine resumes from the fallback, one durable save
+earlier, instead of from the checkpoint before. It is made only where it can pay:
+
+- the upload is longer than the margin (a margin of at least the upload already holds a
+  link at half speed; below that the fallback is what does);
+- the training since the last save is at least :data:`AT_RISK_SAVES` saves long, so the
+  fallback takes at most a tenth of what it protects from training (as routine saves'
+  floor, ``sidecar.train.routine.FLOOR_SAVES``), and longer than the lead itself: a save
+  made less than one lead ago (a routine save, the user's own) already is the fallback,
+  and no second fallback fits in one window, however short a save (the blocking part
+  of an asynchronous save is near 0 s).
+
+It is never the final save: it covers no deadline, not even until the next step
+(``SavePolicy.record_save(fallback=True)``), so the final save and the top-up after it are
+decided as before, and a renewal leaves it a plain routine checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sidecar.train.protection import short_duration
+
+__all__ = ["AT_RISK_SAVES", "fallback_reason"]
+
+# The least training since the last save, in saves, for which a fallback is made.
+AT_RISK_SAVES = 10.0
+
+
+def fallback_reason(
+    remaining_seconds: float,
+    *,
+    budget_seconds: float,
+    step_seconds: float,
+    save_seconds: float,
+    upload_seconds: Optional[float],
+    margin_seconds: float,
+    at_risk_seconds: float,
+) -> Optional[str]:
+    """Why a fallback save is due now, or None when none is (module docstring).
+
+    ``budget_seconds``: the final save's budget; ``save_seconds`` and ``upload_seconds``:
+    the estimates in it (``upload_seconds`` None or 0: the local save is durable, no
+    fallback); ``at_risk_seconds``: training since the last save."""
+    upload = upload_seconds or 0.0
+    if upload <= margin_seconds:
+        return None
+    lead = step_seconds + save_seconds + upload
+    if at_risk_seconds < max(AT_RISK_SAVES * save_seconds, lead):
+        return None
+    if not budget_seconds < remaining_seconds <= budget_seconds + lead:
+        return None
+    return (f"remaining {remaining_seconds:.1f} s <= {budget_seconds + lead:.1f} s: fallback "
+            f"save now, durable before the final save starts (its {upload:.0f} s upload is "
+            f"longer than the {margin_seconds:.0f} s margin; "
+            f"{short_duration(at_risk_seconds)} trained since the last save)")
