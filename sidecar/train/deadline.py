@@ -124,6 +124,7 @@ class DeadlineTracker:
         self._reachable = False
         self._current = False  # the daemon deadline is a current answer from every daemon
         self._daemon_deadline: Optional[float] = None  # the last deadline the daemon gave
+        self._daemon_source: Optional[str] = None  # the daemon's source of that deadline
         self._last_error: Optional[str] = None
         self._warned_unreachable = False
         self._warned_stale = False
@@ -154,6 +155,12 @@ class DeadlineTracker:
         """How long a checkpoint saved now takes to become durable in storage (the slowest
         node's estimate); None without an uploader or before it knows."""
         return self._upload_seconds
+
+    @property
+    def daemon_source(self) -> Optional[str]:
+        """The daemon's source of the deadline it last gave (``Expiry.source``, e.g.
+        ``"volcengine-esi"``, ``"aws"``, ``"slurm"``); None before one answered."""
+        return self._daemon_source
 
     @property
     def upload_measured(self) -> Optional[int]:
@@ -232,6 +239,7 @@ class DeadlineTracker:
         says_nothing = answer.stale and answer.expires_at_unix is None
         if not says_nothing:
             self._daemon_deadline = answer.expires_at_unix
+            self._daemon_source = answer.source
         self._upload_seconds, self._upload_status = answer.upload_seconds, answer.upload_status
         self._upload_measured = answer.upload_measured
         self._reachable = error is None

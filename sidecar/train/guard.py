@@ -82,6 +82,11 @@ T = TypeVar("T")
 
 STATE_VERSION = 1  # of state_dict()
 
+# The daemon's sources whose deadline ends the process, not the machine (a Slurm time
+# limit; a deadline the host's environment gives): try_late_saves="auto" starts no late
+# save for them, as for the guard's own SIGTERM, Slurm and environment deadlines.
+PROCESS_SOURCES = frozenset({"slurm", "env"})
+
 
 @dataclass(frozen=True)
 class GuardStatus:
@@ -517,6 +522,7 @@ class CheckpointGuard:
             margin_seconds=policy.margin_for(None, 0.0, None) if collective else None,
             # Unknown (a reducer of seven floats): no fallback save, on every rank alike.
             at_risk_seconds=vote.at_risk_seconds or 0.0,
+            machine_deadline=vote.process_deadline == 0.0,  # every rank's is the machine's
         )
         self._drill.decided(vote, decision, agreed=reduce)
         decision = with_routine(decision, vote.routine_overdue_seconds)
@@ -532,15 +538,18 @@ class CheckpointGuard:
     def _local_vote(self, now_unix: float) -> Vote:
         """What this rank knows, before any reduction."""
         deadline: Optional[float] = None
+        source: Optional[str] = None
         try:
-            deadline, _source = self._tracker.deadline()
+            deadline, source = self._tracker.deadline()
         except Exception:  # a bug of ours must not stop training
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
                 self._warned_internal = True
-        deadline, _ = with_slurm(self._slurm, self._tracker.reachable, deadline, None, ask=True)
-        deadline, drill = self._drill.earlier(deadline, now_unix)
-        deadline, _source = with_sigterm(self.sigterm, deadline, None)
+        deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source,
+                                      ask=True)
+        deadline, drill = self._drill.earlier(deadline, now_unix)  # rehearses the real one
+        deadline, source = with_sigterm(self.sigterm, deadline, source)
+        machine = source == "daemon" and self._tracker.daemon_source not in PROCESS_SOURCES
         policy = self.policy
         return Vote(
             remaining_seconds=None if deadline is None else deadline - now_unix,
@@ -557,6 +566,8 @@ class CheckpointGuard:
                 policy.step_estimate(), policy.save_estimate(), self._upload.seconds()),
                 self.sigterm, self._notes.last_saved) if self._vote.drills else None,
             at_risk_seconds=policy.at_risk_seconds() if self._vote.drills else None,
+            process_deadline=None if deadline is None or not self._vote.drills
+            else 0.0 if machine else 1.0,
         )
 
     def _sigterm_deadline(self) -> Optional[float]:

@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_REDUNDANT_SECONDS",
     "DEFAULT_SAVE_SECONDS",
     "DEFAULT_TOP_UP_SECONDS",
+    "LATE_SAVES_AUTO",
     "LATE_SAVES_EXPECTED",
     "REARM_FLOOR_SECONDS",
     "STATISTICS",
@@ -81,6 +82,9 @@ DEFAULT_TOP_UP_SECONDS = 5.0
 REARM_FLOOR_SECONDS = 2.0
 
 LATE_SAVES_EXPECTED = "expected"  # try_late_saves: when the unpadded time still fits
+# try_late_saves (default): "expected" when the deadline is the machine's end, False when
+# it is the process's (a SIGTERM grace, a Slurm time limit, or not known to be the machine's).
+LATE_SAVES_AUTO = "auto"
 
 # Statistic name -> quantile used for the step estimate (nearest-rank, so with fewer than
 # 1/(1-q) samples a percentile is the max: conservative while little is known).
@@ -200,9 +204,13 @@ class SavePolicy:
     - ``top_up_seconds``: the margin a top-up save keeps before the release (default
       5); None: no top-up, stop right after the final save.
     - ``try_late_saves``: start the save even when less time is left than its padded
-      estimate (save and upload x ``save_margin``): True always, False never (default),
-      "expected" when the unpadded time still fits (docs/simulation.md, "Late saves"). A cut
-      save loses only steps lost anyway, but keeps a SIGTERM'd job from leaving cleanly.
+      estimate (save and upload x ``save_margin``): True always, False never, "expected"
+      when the unpadded time still fits, "auto" (default) as "expected" when the deadline
+      is the machine's end (a release or a reclaim notice served by the daemon) and as
+      False when it is the process's (a SIGTERM grace, a Slurm time limit, a deadline from
+      the environment): docs/simulation.md, "Late saves". A cut save loses only steps lost
+      anyway, but keeps a SIGTERM'd job from leaving cleanly, which is what its scheduler
+      reads (exit 75: requeue); a machine that goes takes the process with it either way.
       Once the deadline has passed with no save made for it, the machine runs on
       borrowed time: one best-effort save is always asked, then stop.
     - ``routine_seconds``: routine saves, asked by the guard through the same save path
@@ -225,7 +233,7 @@ class SavePolicy:
     save_margin: float = 1.2
     save_window: int = 5
     top_up_seconds: Optional[float] = DEFAULT_TOP_UP_SECONDS
-    try_late_saves: Union[bool, str] = False
+    try_late_saves: Union[bool, str] = LATE_SAVES_AUTO
     routine_seconds: Union[str, float, None] = "auto"
     fallback_saves: bool = True
 
@@ -246,8 +254,9 @@ class SavePolicy:
         if self.redundant_seconds != auto_margin.AUTO:
             self.redundant_seconds = check_seconds("redundant_seconds", self.redundant_seconds)
             self._margin_seconds = self.redundant_seconds
-        if self.try_late_saves not in (True, False, LATE_SAVES_EXPECTED):
-            raise ValueError(f"try_late_saves: True, False or 'expected': {self.try_late_saves!r}")
+        if self.try_late_saves not in (True, False, LATE_SAVES_EXPECTED, LATE_SAVES_AUTO):
+            raise ValueError("try_late_saves: True, False, 'expected' or 'auto': "
+                             f"{self.try_late_saves!r}")
         self.window = _check_count("window", self.window)
         self.save_window = _check_count("save_window", self.save_window)
         if self.statistic not in STATISTICS:
@@ -498,6 +507,7 @@ class SavePolicy:
         typical_step_seconds: Optional[float] = None,
         margin_seconds: Optional[float] = None,
         at_risk_seconds: Optional[float] = None,
+        machine_deadline: Optional[bool] = None,
     ) -> PolicyDecision:
         """The rule from explicit inputs (the guard passes values reduced across ranks).
 
@@ -516,6 +526,9 @@ class SavePolicy:
         :meth:`typical_step_estimate`; None: ``step_seconds``). ``margin_seconds``: the
         margin agreed across ranks (None: :meth:`margin_for`). ``at_risk_seconds``: the
         training since the last save, for the fallback save (None: this policy's own).
+        ``machine_deadline``: the deadline is the machine's end (a release, a reclaim
+        notice), not the process's (a SIGTERM grace, a Slurm time limit); None: not known,
+        taken as the process's (``try_late_saves="auto"``).
         """
         durable_save = save_seconds + (upload_seconds or 0.0)
         if margin_seconds is not None or (remaining_seconds is not None and step_seconds):
@@ -577,7 +590,7 @@ class SavePolicy:
             return decision(True, False, reason, fallback=True)
         if seed_rule(remaining_seconds, step_seconds, durable_save, self._margin_seconds)[0]:
             if remaining_seconds < durable_save and not self._tries_late(
-                    remaining_seconds, durable_save):
+                    remaining_seconds, durable_save, machine_deadline):
                 return decision(
                     False, False,
                     f"remaining {remaining_seconds:.1f} s < {durable_save:.1f} s for a save"
@@ -609,8 +622,12 @@ class SavePolicy:
             at_risk_seconds=self._at_risk_seconds if at_risk_seconds is None
             else at_risk_seconds)
 
-    def _tries_late(self, remaining_seconds: float, durable_save: float) -> bool:
-        if self.try_late_saves == LATE_SAVES_EXPECTED:  # the x save_margin taken off
+    def _tries_late(self, remaining_seconds: float, durable_save: float,
+                    machine_deadline: Optional[bool]) -> bool:
+        if self.try_late_saves == LATE_SAVES_AUTO and not machine_deadline:
+            return False  # the process's deadline (or not known): a clean exit first
+        if self.try_late_saves in (LATE_SAVES_EXPECTED, LATE_SAVES_AUTO):
+            # The x save_margin taken off.
             return remaining_seconds >= durable_save / self.save_margin
         return self.try_late_saves is True
 

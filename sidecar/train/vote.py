@@ -48,6 +48,7 @@ UNKNOWN_UPLOAD = -1.0  # MAX: the slowest node's upload counts
 UNKNOWN_AFTER_FINAL = math.inf  # MIN: the ranks that recorded the saves count
 UNKNOWN_ROUTINE = -math.inf  # MAX: a routine save due on any rank is made on every rank
 UNKNOWN_AT_RISK = math.inf  # MIN: the ranks that recorded the last save count
+UNKNOWN_PROCESS = -1.0  # MAX: 1 on any rank (its deadline is the process's) wins over 0
 
 # Scheduled reduction: when the deadline is far, the ranks agree at most this long (and
 # this many decisions) apart instead of at every step.
@@ -123,6 +124,9 @@ class Vote:
     routine_overdue_seconds: Optional[float] = vote_field(MAX, UNKNOWN_ROUTINE)
     # Training since the last save (SavePolicy.at_risk_seconds; the fallback save's).
     at_risk_seconds: Optional[float] = vote_field(MIN, UNKNOWN_AT_RISK)
+    # 1: this rank's deadline is the process's (SIGTERM, Slurm, environment), 0: the
+    # machine's (the daemon's release or notice); try_late_saves="auto" reads it.
+    process_deadline: Optional[float] = vote_field(MAX, UNKNOWN_PROCESS)
 
     @classmethod
     def table(cls) -> tuple[VoteField, ...]:
@@ -158,9 +162,9 @@ class Vote:
 class SevenFloatReducer:
     """The old reducer protocol (seven positional floats), adapted to the list one.
 
-    The numbers past the seventh (the drill's, the routine save's, the training at risk)
-    cannot travel through it: a guard with such a reducer follows no drill and asks no
-    routine or fallback save
+    The numbers past the seventh (the drill's, the routine save's, the training at risk,
+    whose deadline it is) cannot travel through it: a guard with such a reducer follows no
+    drill, asks no routine or fallback save and starts no late save
     (``CollectiveVote.drills``), so those slots are always "unknown"."""
 
     def __init__(self, reducer: Callable[..., Sequence[float]]) -> None:

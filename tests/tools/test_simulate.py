@@ -70,18 +70,20 @@ def test_top_up_target_on_the_reference_workloads() -> None:
 
 
 def test_short_notices_skip_a_save_that_cannot_end_or_try_it() -> None:
-    # 60 s notices, learned within 2 s, 60 s +-10 % saves: the default starts no save the
-    # estimate says is too late, so none is cut; trying saves a few runs and cuts the rest.
-    results = run(["spot-notice-60s", "spot-notice-120s"], ["sidecar", "sidecar-try-late"],
-                  seeds=SEEDS)
+    # 60 s notices, learned within 2 s, 60 s +-10 % saves. Never trying late (the choice
+    # for a process's deadline) starts no save the estimate says is too late, so none is
+    # cut; the default on the machine's notice tries those whose expected time fits, and
+    # trying always tries them all: each saves a few runs and cuts some.
+    policies = ["sidecar-no-late", "sidecar", "sidecar-try-late"]
+    results = run(["spot-notice-60s", "spot-notice-120s"], policies, seeds=SEEDS)
     by = {(r.workload, r.policy): r for r in results}
-    skip, tried = by[("spot-notice-60s", "sidecar")], by[("spot-notice-60s", "sidecar-try-late")]
+    skip, expected, tried = (by[("spot-notice-60s", policy)] for policy in policies)
     assert skip.interrupted_saves == 0 and skip.saves_mean == 0
-    assert tried.interrupted_saves > 0
-    assert tried.saves_mean > 0  # some tried saves ended in time after all
-    # With room for a save both choices are the same run.
-    assert by[("spot-notice-120s", "sidecar")].lost_mean_seconds == pytest.approx(
-        by[("spot-notice-120s", "sidecar-try-late")].lost_mean_seconds)
+    assert 0 < expected.interrupted_saves < tried.interrupted_saves
+    assert expected.saves_mean > 0 and tried.saves_mean > 0  # some ended in time after all
+    # With room for a save the three choices are the same run.
+    same = {by[("spot-notice-120s", policy)].lost_mean_seconds for policy in policies}
+    assert len(same) == 1, same
 
 
 def test_durability_is_budgeted_and_a_renewal_is_not_wasted() -> None:

@@ -43,7 +43,7 @@ from sidecar.train.guard import (
     CheckpointGuard,
 )
 from sidecar.train.policy import SavePolicy
-from sidecar.train.vote import UNKNOWN_ROUTINE, Op
+from sidecar.train.vote import UNKNOWN_PROCESS, UNKNOWN_ROUTINE, Op
 
 # ------------------------------------------------------------------ guard: real daemon
 
@@ -608,7 +608,7 @@ def test_reducer_sentinels_for_unknown_values() -> None:
     assert guard.should_save() is False
     assert seen == [(UNKNOWN_REMAINING, UNKNOWN_STEP, UNKNOWN_SAVE, UNKNOWN_COVERED,
                      UNKNOWN_UPLOAD, UNKNOWN_AFTER_FINAL, UNKNOWN_STEP, UNKNOWN_REMAINING,
-                     UNKNOWN_ROUTINE, 0.0)]  # nothing trained yet: 0 s at risk, known
+                     UNKNOWN_ROUTINE, 0.0, UNKNOWN_PROCESS)]  # 0: nothing trained yet, known
     assert guard.last_decision is not None
     assert guard.last_decision.reason == "no deadline known"
     guard.status()
@@ -813,3 +813,31 @@ def test_a_deadline_back_inside_the_old_cover_after_a_renewal_gets_its_own_save(
         daemon.store.record_success("static", Observation(expires_at_unix=wall[0] + 100))
         monotonic.advance(1.0)
         assert guard.should_save() is True, guard.status()
+
+
+def late_save_asked(client: SidecarClient, environ: dict[str, str]) -> Any:
+    """The default policy with a 55 s save (46 s unpadded) and 50 s left: a late save."""
+    guard = simple_guard(client, policy=SavePolicy(save_seconds=55.0), environ=environ,
+                         events=False)
+    guard.record_step(1.0)
+    guard.should_save()
+    return guard.last_decision
+
+
+def test_auto_late_saves_follow_whose_deadline_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The machine's release (the daemon's static source): the late save is started.
+    with static_daemon(time.time() + 50.0) as daemon:
+        decision = late_save_asked(SidecarClient(daemon.url), {})
+        assert decision is not None and decision.save_now and not decision.too_late
+    # A deadline that ends the process, not the machine: none, so the job leaves cleanly.
+    # The guard's own environment (no daemon answers)...
+    unreachable = SidecarClient(f"http://127.0.0.1:{closed_port()}")
+    decision = late_save_asked(unreachable, {MLP: str(time.time() + 50.0)})
+    assert decision is not None and decision.too_late and not decision.save_now
+    # ...and a daemon whose source is the environment (as its slurm source would be).
+    monkeypatch.setenv(MLP, str(time.time() + 50.0))
+    with serve_daemon(sources=("env",)) as daemon:
+        client = SidecarClient(daemon.url)
+        wait_for(lambda: client.deadline_unix() is not None)
+        decision = late_save_asked(client, {})
+        assert decision is not None and decision.too_late and not decision.save_now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 
@@ -599,3 +600,24 @@ def test_a_late_save_starts_when_its_unpadded_time_fits() -> None:
     assert policy.evaluate(NOW, NOW + 40.0, upload_seconds=20.0).too_late
     with pytest.raises(ValueError, match="try_late_saves"):
         SavePolicy(try_late_saves="sometimes")
+
+
+def test_auto_late_saves_start_only_before_the_machines_end() -> None:
+    # The default, "auto": as "expected" when the deadline is the machine's (the daemon's
+    # release or reclaim notice: the process goes with it either way), as False when it is
+    # the process's or not known (a SIGTERM'd job first leaves cleanly, exit 75).
+    policy = policy_with_step(20.0)
+    assert policy.try_late_saves == "auto"
+    policy.record_save(30.0, started_unix=NOW - 5000, deadline_unix=None)
+    policy.record_step(20.0)
+
+    def decide(remaining: float, machine: Optional[bool]) -> PolicyDecision:
+        return policy.decide(remaining, step_seconds=20.0, save_seconds=36.0,
+                             covered_seconds=None, upload_seconds=20.0,
+                             machine_deadline=machine)
+
+    assert decide(50.0, True).save_now  # 56 s padded, 46.7 s expected: fits
+    assert decide(40.0, True).too_late  # not even unpadded
+    assert decide(50.0, False).too_late
+    assert decide(50.0, None).too_late
+    assert policy.evaluate(NOW, NOW + 50.0, upload_seconds=20.0).too_late  # not known

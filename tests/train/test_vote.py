@@ -28,6 +28,7 @@ from sidecar.train.vote import (
     MAX,
     MIN,
     UNKNOWN_AT_RISK,
+    UNKNOWN_PROCESS,
     UNKNOWN_ROUTINE,
     Op,
     Vote,
@@ -62,6 +63,7 @@ def test_the_table_is_the_dataclass_in_wire_order() -> None:
         ("drill_seconds", MIN, UNKNOWN_REMAINING),
         ("routine_overdue_seconds", MAX, UNKNOWN_ROUTINE),
         ("at_risk_seconds", MIN, UNKNOWN_AT_RISK),
+        ("process_deadline", MAX, UNKNOWN_PROCESS),
     ]
     assert Vote.ops() == [op for _name, op, _unknown in table]
 
@@ -80,9 +82,9 @@ def test_unknown_travels_as_a_value_that_loses_and_comes_back_as_none() -> None:
     assert reduced == Vote(step_seconds=2.0)
     # Nothing a reducer returns that is not a number on the winning side is taken as known.
     garbage = [math.nan, math.inf, -math.inf, math.inf, math.nan, math.nan, UNKNOWN_STEP,
-               math.nan, math.inf, math.nan]
+               math.nan, math.inf, math.nan, -math.inf]
     assert Vote.unpack(garbage) == Vote()
-    with pytest.raises(ValueError, match="returned 6 numbers, not 10"):
+    with pytest.raises(ValueError, match="returned 6 numbers, not 11"):
         Vote.unpack([0.0] * 6)
 
 
@@ -99,7 +101,7 @@ def test_adding_a_field_is_one_line() -> None:
     ranks = [WiderVote(remaining_seconds=50.0), WiderVote(queue_seconds=4.0, step_seconds=1.0)]
 
     def reducer(values: Sequence[float], ops: Sequence[Op], /) -> list[float]:
-        assert len(values) == len(ops) == 11
+        assert len(values) == len(ops) == 12
         return all_reduce([rank.pack() for rank in ranks], ops)
 
     assert ranks[0].reduced(reducer) == WiderVote(remaining_seconds=50.0, step_seconds=1.0,
@@ -156,5 +158,5 @@ def test_a_seven_float_reducer_cannot_reduce_a_wider_vote() -> None:
     with pytest.warns(DeprecationWarning):
         adapted = as_reducer(lambda a, b, c, d, e, f, g: (a, b, c, d, e, f, g))
     assert list(adapted(Vote().pack(), Vote.ops())) == Vote().pack()
-    with pytest.raises(TypeError, match="cannot reduce a vote of 11 numbers"):
+    with pytest.raises(TypeError, match="cannot reduce a vote of 12 numbers"):
         WiderVote().reduced(adapted)

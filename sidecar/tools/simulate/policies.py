@@ -368,7 +368,10 @@ POLICIES: dict[str, PolicyFactory] = {
         PolicyFactory("sidecar", "the sidecar's defaults: SavePolicy (max of 100 steps, measured "
                       "saves x1.2, 120 s margin) + the upload, the final save, a top-up save "
                       f"with a {DEFAULT_TOP_UP_SECONDS:g} s margin, then waits for the release; "
-                      "routine saves where no notice holds a save (routine_seconds=\"auto\")",
+                      "routine saves where no notice holds a save (routine_seconds=\"auto\"), "
+                      "a fallback save before a final one that rests on a long upload, late "
+                      "saves whose expected time fits (every simulated deadline is the "
+                      "machine's)",
                       lambda run: SidecarPolicy()),
         PolicyFactory("sidecar-no-routine", "the sidecar without routine saves "
                       "(routine_seconds=None): where no notice holds a save, a reclaim loses "
@@ -378,6 +381,10 @@ POLICIES: dict[str, PolicyFactory] = {
                       "(fallback_saves=False): the final save alone, even when it rests on "
                       "an upload longer than the margin",
                       lambda run: SidecarPolicy(fallback_saves=False)),
+        PolicyFactory("sidecar-no-late", "the sidecar, but it never starts a save its padded "
+                      "estimate says will not end in time (try_late_saves=False: the default "
+                      "before, and the default's choice for a SIGTERM or a Slurm time limit)",
+                      lambda run: SidecarPolicy(try_late_saves=False)),
         PolicyFactory("sidecar-try-late", "the sidecar, but it starts a save even when less "
                       "time is left than the save is expected to take (try_late_saves=True)",
                       lambda run: SidecarPolicy(try_late_saves=True)),
