@@ -1,4 +1,4 @@
-"""docs/simulation.md's "Heavy checkpoints" section (issue 23, items 4 and 5)."""
+"""docs/simulation.md's "Heavy checkpoints" section (issue 23, items 4 and 5; the fallback save)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,24 @@ def test_the_section_has_a_row_per_workload_and_policy_and_states_the_defaults()
         for policy in HEAVY_POLICIES:
             assert f"| {workload} | {policy} | " in text
     assert "| spot-notice-60s |" not in text  # only in the late-saves paragraph
-    margin = text.split("### Choosing the margin\n")[1].split("### Late saves")[0]
-    late = text.split("### Late saves\n")[1]
+    fallback = text.split("### The fallback save\n")[1].split("### Late saves")[0]
+    late = text.split("### Late saves\n")[1].split("### Choosing the margin")[0]
+    margin = text.split("### Choosing the margin\n")[1]
     assert "**The fixed 120 s stays the default**" in margin
-    assert "**try_late_saves stays False**" in late and "spot-notice-60s" in late
-    # The figures are the computed ones: the auto margin's gain on heavy-saves is named.
+    assert "spot-notice-60s" in late
+    assert ("**`try_late_saves=\"auto\"` is the default**" in late
+            or "the default should be revisited" in late)
+    # The fallback save is made where the upload is longer than the margin, and named there
+    # with its figures; nowhere without an upload.
     by = {(r.workload, r.policy): r for r in results}
+    with_it, without = by[("heavy-upload", "sidecar")], by[("heavy-upload", "sidecar-no-fallback")]
+    assert with_it.saves_mean > without.saves_mean
+    assert (f"heavy-upload (mean lost {without.lost_mean_seconds:.0f} -> "
+            f"{with_it.lost_mean_seconds:.0f} s") in fallback
+    assert "heavy-saves (" not in fallback
+    assert by[("heavy-saves", "sidecar")].saves_mean == by[
+        ("heavy-saves", "sidecar-no-fallback")].saves_mean
+    # The figures are the computed ones: the auto margin's gain on heavy-saves is named.
     fixed = by[("heavy-saves", "sidecar")].lost_median_seconds
     auto = by[("heavy-saves", "sidecar-auto-margin")].lost_median_seconds
     assert f"heavy-saves ({fixed:.0f} -> {auto:.0f} s median lost" in margin

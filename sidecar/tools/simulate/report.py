@@ -200,12 +200,14 @@ def _no_top_up_text(results: Sequence[Result], policy: str = "sidecar") -> str:
 
 
 def render_short_notices(results: Sequence[Result]) -> str:
-    """The spot-notice workloads, the sidecar against ``sidecar-try-late``: a save that the
-    estimate says cannot end in time, skipped or tried."""
-    pairs = ("sidecar", "sidecar-try-late")
+    """The spot-notice workloads under ``sidecar-no-late``, the sidecar and
+    ``sidecar-try-late``: a save that the estimate says cannot end in time, skipped, tried
+    when its expected time fits, or always tried."""
+    pairs = ("sidecar-no-late", "sidecar", "sidecar-try-late")
     rows = [r for r in results if r.workload.startswith("spot-notice") and r.policy in pairs]
     if not rows:
-        return "(run the spot-notice workloads with `sidecar` and `sidecar-try-late`)\n"
+        return "(run the spot-notice workloads with `sidecar-no-late`, `sidecar` and " \
+               "`sidecar-try-late`)\n"
     lines = [
         "| notice | policy | feasible runs | missed | median lost min | saves | cut by reclaim |",
         "|---|---|---|---:|---:|---:|---:|",
@@ -468,17 +470,22 @@ does not model (the daemon's poll, clocks); `top_up_seconds=None` turns the top-
 
 A spot notice of 30 s, or a SIGTERM's grace period, is shorter than the rule's budget,
 and often shorter than a save. The rule then saves at once if the save (and its upload)
-is expected to end before the deadline, and otherwise starts none
-(`SavePolicy(try_late_saves=False)`, the default): training goes on, in case the
-deadline moves, and a job that got SIGTERM can still leave cleanly instead of being
-killed mid-save. `sidecar-try-late` starts the save anyway. The notice reaches the job
-within 2 s here (the aws source polls IMDS every 2 s):
+is expected to end before the deadline. When only its padded estimate says it would not,
+the default (`SavePolicy(try_late_saves="auto")`) still starts it where the deadline is
+the machine's end (a reclaim notice or a release, served by the daemon: the process goes
+with the machine either way) and the expected time, without the x1.2, fits; before the
+process's own end (a SIGTERM grace, a Slurm time limit) it starts none, as
+`sidecar-no-late` (`try_late_saves=False`) here: training goes on, in case the deadline
+moves, and the job can still leave cleanly (exit 75, what its scheduler reads) instead of
+being killed mid-save. `sidecar-try-late` always starts it. Every simulated notice is the
+machine's. The notice reaches the job within 2 s here (the aws source polls IMDS every
+2 s):
 
 {short}
 A tried save only helps when it ends in time although the estimate (the largest recent
 save x 1.2, or the assumed 60 s before any was measured) said it would not; the rest
-are cut by the reclaim. On the notices that leave room for a save (120 s, 300 s) the two
-choices are the same run.
+are cut by the reclaim. On the notices that leave room for a save (120 s, 300 s) the
+three choices are the same run.
 
 ## The model
 
@@ -494,7 +501,9 @@ durations, so thousands of two-hour runs take seconds.
   older one waiting is skipped), and near the release (within 600 s, or twice the
   estimate) an upload in progress gives way to a newer checkpoint unless both still end
   before the known deadline. The policies are told the uploader's estimate (the
-  largest of the last 3 at the slow-tail rate x 1.2: docs/upload.md), as `/v1/expiry` serves it.
+  largest of the last 3 at the slow-tail rate x 1.2: docs/upload.md), as `/v1/expiry` serves it,
+  with the count of uploads it rests on: the guard keeps the estimate its checkpoint
+  carried (the uploader's before the run) as a floor until 10 uploads were measured.
 - The machine is reclaimed when the true deadline is reached. The deadline may move
   mid-run; the job learns of a move **{delay} s** after it happened (the daemon serves it
   after its next poll; 2 s on the spot-notice workloads, the aws source's poll). A
