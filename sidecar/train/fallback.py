@@ -13,12 +13,15 @@ So, while the deadline is still one durable save beyond the final save's budget,
 *fallback* save is made first, early enough that its upload ends before the final
 checkpoint reaches the uploader::
 
-    budget < remaining <= budget + step + save + upload
+    budget + upload < remaining <= budget + step + save + upload
 
 (``budget``: the final save's, step + save + upload + margin; the extra step because the
-rule is checked between steps). The final save follows as it always did; if its upload
-is cut by the release, the next machine resumes from the fallback, one durable save
-earlier, instead of from the checkpoint before. It is made only where it can pay:
+rule is checked between steps). Below ``budget + upload`` (a deadline learned, or
+brought forward, that late) the fallback's upload would still run when the final
+checkpoint lands, delaying it or giving way to it, so none is made. The final save
+follows as it always did; if its upload is cut by the release, the next machine
+resumes from the fallback, one durable save earlier, instead of from the checkpoint
+before. It is made only where it can pay:
 
 - the upload is longer than the margin (a margin of at least the upload already holds a
   link at half speed; below that the fallback is what does);
@@ -67,7 +70,7 @@ def fallback_reason(
     lead = step_seconds + save_seconds + upload
     if at_risk_seconds < max(AT_RISK_SAVES * save_seconds, lead):
         return None
-    if not budget_seconds < remaining_seconds <= budget_seconds + lead:
+    if not budget_seconds + upload < remaining_seconds <= budget_seconds + lead:
         return None
     return (f"remaining {remaining_seconds:.1f} s <= {budget_seconds + lead:.1f} s: fallback "
             f"save now, durable before the final save starts (its {upload:.0f} s upload is "

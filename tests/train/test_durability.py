@@ -303,9 +303,9 @@ def test_few_uploads_measured_keep_the_saved_estimate_and_a_long_upload_gets_a_f
         assert decision.budget_seconds == pytest.approx(budget)
         assert guard.state_dict()["upload_seconds"] == pytest.approx(carried)
 
-        # Inside (budget, budget + step + save + upload]: the fallback save.
+        # Inside (budget + upload, budget + step + save + upload]: the fallback save.
         caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
-        clock.now = deadline - (budget + 1.0)
+        clock.now = deadline - (budget + carried + 0.5)
         assert guard.should_save() is True
         decision = guard.last_decision
         assert decision is not None and decision.fallback and not decision.top_up

@@ -37,8 +37,11 @@ def test_the_window_is_one_durable_save_beyond_the_final_budget() -> None:
     assert line is not None and line.startswith(
         f"remaining {BUDGET + LEAD:.1f} s <= {BUDGET + LEAD:.1f} s: fallback save now")
     assert "216 s upload is longer than the 120 s margin" in line and "2.0 h trained" in line
-    assert reason(BUDGET + 0.1) is not None
-    assert reason(BUDGET) is None  # the final save's own window
+    assert reason(BUDGET + UPLOAD + 0.1) is not None
+    # Nearer (a deadline learned or brought forward that late), its upload would still
+    # run when the final checkpoint lands: none.
+    assert reason(BUDGET + UPLOAD) is None
+    assert reason(BUDGET + 1.0) is None
 
 
 @pytest.mark.parametrize("upload", [None, 0.0, 60.0, MARGIN])
@@ -48,13 +51,13 @@ def test_no_fallback_where_the_margin_holds_the_upload(upload: Optional[float]) 
 
 def test_no_fallback_right_after_a_save_however_short() -> None:
     # Ten saves' worth of training at least (600 s with 60 s saves, above the 296 s lead)...
-    inside = BUDGET + 10.0
+    inside = BUDGET + UPLOAD + 10.0
     assert reason(inside, at_risk=AT_RISK_SAVES * SAVE - 1.0) is None
     assert reason(inside, at_risk=AT_RISK_SAVES * SAVE) is not None
     # ...and at least the lead, with a save of 1 s (ten of them are only 10 s): no second
     # fallback fits in one window.
     lead = STEP + 1.0 + UPLOAD
-    inside = STEP + 1.0 + UPLOAD + MARGIN + 10.0
+    inside = STEP + 1.0 + UPLOAD + MARGIN + UPLOAD + 10.0
     assert reason(inside, save=1.0, at_risk=lead - 1.0) is None
     assert reason(inside, save=1.0, at_risk=lead) is not None
 
@@ -91,7 +94,7 @@ def test_the_policy_makes_one_fallback_then_the_final_save_and_its_top_up() -> N
 def test_fallback_saves_off_is_the_policy_before() -> None:
     policy = SavePolicy(save_seconds=SAVE, fallback_saves=False)
     trained(policy, 3600.0)
-    decision = policy.evaluate(NOW, NOW + BUDGET + 10.0, UPLOAD)
+    decision = policy.evaluate(NOW, NOW + BUDGET + UPLOAD + 10.0, UPLOAD)
     assert not decision.save_now and not decision.fallback
     with pytest.raises(ValueError, match="fallback_saves must be True or False"):
         SavePolicy(fallback_saves="yes")  # type: ignore[arg-type]
@@ -106,7 +109,7 @@ def test_ranks_agree_on_the_training_at_risk_by_its_minimum() -> None:
     assert agreed.at_risk_seconds == 20.0
     policy = SavePolicy(save_seconds=SAVE)
     trained(policy, 3600.0)  # this rank alone would make a fallback
-    decision = policy.decide(BUDGET + 10.0, step_seconds=STEP, save_seconds=SAVE,
+    decision = policy.decide(BUDGET + UPLOAD + 10.0, step_seconds=STEP, save_seconds=SAVE,
                              covered_seconds=None, upload_seconds=UPLOAD,
                              at_risk_seconds=agreed.at_risk_seconds)
     assert not decision.save_now

@@ -391,8 +391,8 @@ def test_the_window_rule_on_every_uncovered_decision(scenario: Scenario) -> None
     asked exactly when 0 < remaining <= step estimate + save estimate + upload + margin
     and (unless try_late_saves) remaining >= save estimate + upload, or when the deadline
     passed (the best-effort save); never a top-up. A fallback save only with
-    fallback_saves, an upload longer than the margin, and budget < remaining <= budget +
-    step + save + upload."""
+    fallback_saves, an upload longer than the margin, and budget + upload < remaining <=
+    budget + step + save + upload."""
     run = simulate(scenario)
     upload = scenario.upload_seconds or 0.0
     margin = scenario.options["redundant_seconds"]
@@ -403,7 +403,8 @@ def test_the_window_rule_on_every_uncovered_decision(scenario: Scenario) -> None
         budget = e.step_estimate + (e.save_estimate + upload) + margin
         if e.decision.fallback:
             assert scenario.options["fallback_saves"] and upload > margin, e
-            assert budget < remaining <= budget + e.step_estimate + e.save_estimate + upload, e
+            lead = e.step_estimate + e.save_estimate + upload
+            assert budget + upload < remaining <= budget + lead, e
             assert e.decision.save_now and not e.decision.stop, e
             continue
         fits = remaining >= e.save_estimate + upload or scenario.options["try_late_saves"]
