@@ -356,6 +356,13 @@ HEAVY_WORKLOADS: dict[str, Workload] = {
                  "upload; 5 saves measured before the run", spot_notice(120.0),
                  notice_delay_seconds=2.0, save_seconds=180.0, measured_saves=5,
                  notice=("aws", 120.0)),
+        # The slowing link of issue 23, item 7, "midway": long before the final save, so
+        # that the probe (and a fallback save's upload) see it first; link-halves, in
+        # WORKLOADS, has it 2-20 min before the release, after the final save began in
+        # some runs, which nothing measured before can show.
+        Workload("link-halves-midway", "as upload-3min, but the link's speed halves "
+                 "midway through the run (45-75 min before the release)", fixed_release,
+                 upload_seconds=180.0, link_halves=(45 * MINUTE, 75 * MINUTE)),
     )
 }
 
