@@ -32,6 +32,9 @@ before. It is made only where it can pay:
   and no second fallback fits in one window, however short a save (the blocking part
   of an asynchronous save is near 0 s).
 
+Never before the process's own end (a SIGTERM grace, a Slurm time limit: the guard
+says so): there the rule is one save and leave, and the upload outlives the process.
+
 It is never the final save: it covers no deadline, not even until the next step
 (``SavePolicy.record_save(fallback=True)``), so the final save and the top-up after it are
 decided as before, and a renewal leaves it a plain routine checkpoint.

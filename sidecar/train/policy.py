@@ -528,7 +528,8 @@ class SavePolicy:
         training since the last save, for the fallback save (None: this policy's own).
         ``machine_deadline``: the deadline is the machine's end (a release, a reclaim
         notice), not the process's (a SIGTERM grace, a Slurm time limit); None: not known,
-        taken as the process's (``try_late_saves="auto"``).
+        taken as the process's by ``try_late_saves="auto"``; False also means no fallback
+        save (``sidecar.train.fallback``).
         """
         durable_save = save_seconds + (upload_seconds or 0.0)
         if margin_seconds is not None or (remaining_seconds is not None and step_seconds):
@@ -584,8 +585,11 @@ class SavePolicy:
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
         assert budget is not None  # a step was measured
-        reason = self._fallback_reason(remaining_seconds, budget, step_seconds,
-                                           save_seconds, upload_seconds, at_risk_seconds)
+        # Before the process's end (a SIGTERM grace: one save and leave) none: the upload
+        # goes on after the process, and the machine is not known to go with it.
+        reason = None if machine_deadline is False else self._fallback_reason(
+            remaining_seconds, budget, step_seconds, save_seconds, upload_seconds,
+            at_risk_seconds)
         if reason is not None:
             return decision(True, False, reason, fallback=True)
         if seed_rule(remaining_seconds, step_seconds, durable_save, self._margin_seconds)[0]:

@@ -91,6 +91,19 @@ def test_the_policy_makes_one_fallback_then_the_final_save_and_its_top_up() -> N
     assert policy.steps_after_final() == 0  # this one is the final save
 
 
+def test_no_fallback_before_the_process_end() -> None:
+    # A SIGTERM grace or a Slurm time limit: one save and leave (the guard passes False).
+    policy = SavePolicy(save_seconds=SAVE)
+    trained(policy, 3600.0)
+    remaining = BUDGET + LEAD - 1.0
+    decide = {machine: policy.decide(remaining, step_seconds=STEP, save_seconds=SAVE,
+                                     covered_seconds=None, upload_seconds=UPLOAD,
+                                     machine_deadline=machine)
+              for machine in (True, None, False)}
+    assert decide[True].fallback and decide[None].fallback
+    assert not decide[False].save_now and not decide[False].fallback
+
+
 def test_fallback_saves_off_is_the_policy_before() -> None:
     policy = SavePolicy(save_seconds=SAVE, fallback_saves=False)
     trained(policy, 3600.0)
