@@ -26,11 +26,11 @@ before. It is made only where it can pay:
 - the upload is longer than the margin (a margin of at least the upload already holds a
   link at half speed; below that the fallback is what does);
 - the training since the last save is at least :data:`AT_RISK_SAVES` saves long, so the
-  fallback takes at most a tenth of what it protects from training (as routine saves'
-  floor, ``sidecar.train.routine.FLOOR_SAVES``), and longer than the lead itself: a save
-  made less than one lead ago (a routine save, the user's own) already is the fallback,
-  and no second fallback fits in one window, however short a save (the blocking part
-  of an asynchronous save is near 0 s).
+  fallback takes at most a tenth of what it protects from training (routine saves'
+  floor, ``sidecar.train.routine.FLOOR_SAVES``, the same number), and longer than the
+  lead itself: a save made less than one lead ago (a routine save, the user's own)
+  already is the fallback, and no second fallback fits in one window, however short a
+  save (the blocking part of an asynchronous save is near 0 s).
 
 Never before the process's own end (a SIGTERM grace, a Slurm time limit: the guard
 says so): there the rule is one save and leave, and the upload outlives the process.
@@ -45,11 +45,13 @@ from __future__ import annotations
 from typing import Optional
 
 from sidecar.train.protection import short_duration
+from sidecar.train.routine import FLOOR_SAVES
 
 __all__ = ["AT_RISK_SAVES", "fallback_reason"]
 
-# The least training since the last save, in saves, for which a fallback is made.
-AT_RISK_SAVES = 10.0
+# The least training since the last save, in saves, for which a fallback is made: the
+# routine saves' rule (at most a tenth of the training goes to saves), not a second one.
+AT_RISK_SAVES = FLOOR_SAVES
 
 
 def fallback_reason(

@@ -585,11 +585,8 @@ class SavePolicy:
         if step_seconds is None:
             return decision(False, False, "no step measured yet")
         assert budget is not None  # a step was measured
-        # Before the process's end (a SIGTERM grace: one save and leave) none: the upload
-        # goes on after the process, and the machine is not known to go with it.
-        reason = None if machine_deadline is False else self._fallback_reason(
-            remaining_seconds, budget, step_seconds, save_seconds, upload_seconds,
-            at_risk_seconds)
+        reason = self._fallback_reason(remaining_seconds, budget, step_seconds, save_seconds,
+                                       upload_seconds, at_risk_seconds, machine_deadline)
         if reason is not None:
             return decision(True, False, reason, fallback=True)
         if seed_rule(remaining_seconds, step_seconds, durable_save, self._margin_seconds)[0]:
@@ -614,10 +611,12 @@ class SavePolicy:
     def _fallback_reason(self, remaining_seconds: float, budget_seconds: float,
                              step_seconds: float, save_seconds: float,
                              upload_seconds: Optional[float],
-                             at_risk_seconds: Optional[float] = None) -> Optional[str]:
-        """Why a fallback save is due now (``sidecar.train.fallback``), None if none is
-        or ``fallback_saves`` is off."""
-        if not self.fallback_saves:
+                             at_risk_seconds: Optional[float],
+                             machine_deadline: Optional[bool]) -> Optional[str]:
+        """Why a fallback save is due now (``sidecar.train.fallback``), None if none is,
+        ``fallback_saves`` is off, or the deadline is the process's (a SIGTERM grace: one
+        save and leave; the upload goes on after the process)."""
+        if not self.fallback_saves or machine_deadline is False:
             return None
         return fallback_reason(
             remaining_seconds, budget_seconds=budget_seconds, step_seconds=step_seconds,
