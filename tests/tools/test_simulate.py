@@ -22,9 +22,10 @@ from sidecar.tools.simulate.policies import (
     SidecarPolicy,
     SidecarWithPeriodicPolicy,
     VerlPolicy,
+    WorstCasePolicy,
 )
 from sidecar.tools.simulate.report import INFEASIBLE, render_table, targets
-from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload
+from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
 from sidecar.train.policy import SavePolicy
 
 REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]
@@ -182,6 +183,30 @@ def test_oracle_saves_once_as_late_as_the_save_and_upload_allow() -> None:
             durable = trace.save_seconds(0) + trace.upload_seconds(0)
             assert outcome.saves == 1 and not outcome.missed
             assert durable <= outcome.lost_seconds < durable + workload.step_max_seconds
+
+
+@pytest.mark.parametrize("name", ["heavy-saves", "heavy-upload", "link-halves"])
+def test_worst_case_saves_once_as_late_as_the_workloads_limits_allow(name: str) -> None:
+    workload = get_workload(name)
+    worst = workload.save_max_seconds + workload.upload_max_seconds
+    for seed in range(8):
+        outcome = simulate_run(workload, POLICIES["worst-case"], seed)
+        assert outcome.saves == 1 and not outcome.missed
+        # The last step from which the longest step, save and upload still end in time:
+        # never later than the limits allow, never more than one longest step earlier.
+        assert worst <= outcome.lost_seconds < worst + workload.step_max_seconds
+
+
+def test_worst_case_waits_for_a_deadline_and_stops_after_its_save() -> None:
+    workload = get_workload("heavy-upload")
+    policy = WorstCasePolicy(RunInfo(workload.trace(0), reclaim_seconds=5000.0))
+    worst = workload.step_max_seconds + workload.save_max_seconds + workload.upload_max_seconds
+    assert not policy.should_save(4000.0, None)
+    assert not policy.should_save(5000.0 - worst - 0.5, 5000.0)
+    assert policy.should_save(5000.0 - worst + 0.5, 5000.0)
+    assert not policy.should_stop(5000.0 - worst + 0.5, 5000.0)
+    policy.record_save(45.0, 5000.0 - worst + 0.5)
+    assert not policy.should_save(4990.0, 5000.0) and policy.should_stop(4990.0, 5000.0)
 
 
 def test_uploader_finishes_the_final_checkpoint_before_a_top_up() -> None:

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from sidecar.tools.simulate.command import add_simulate_command
 from sidecar.tools.simulate.report_heavy import (
+    BOUND_EXTRA_WORKLOADS,
+    BOUND_POLICY,
     HEAVY_POLICIES,
     HEAVY_SECTION_WORKLOADS,
     render_heavy,
     run_heavy,
 )
+from sidecar.tools.simulate.workloads import get_workload
 
 
 def test_the_section_has_a_row_per_workload_and_policy_and_states_the_defaults() -> None:
@@ -55,3 +58,32 @@ def test_cli_out_appends_the_section_after_the_main_document(tmp_path: Path) -> 
     doc = (tmp_path / "simulation.md").read_text()
     assert doc.index("| steady | sidecar |") < doc.index("## Heavy checkpoints")
     assert "| heavy-upload | sidecar-auto-margin | " in doc and "(2 seeds each" in doc
+
+
+def test_the_floor_is_set_beside_the_target_and_the_verdicts_follow_the_figures() -> None:
+    results = run_heavy(seeds=4)
+    text = render_heavy(results, seeds=4)
+    section = text.split("### What one save can reach\n")[1]
+    by = {(r.workload, r.policy): r for r in results}
+    for workload in ("heavy-saves", "heavy-upload", *BOUND_EXTRA_WORKLOADS):
+        oracle = by[(workload, "oracle")].lost_median_seconds
+        limit = oracle * 1.1 + get_workload(workload).step_seconds
+        floor = by[(workload, BOUND_POLICY)]
+        ours = by[(workload, "sidecar")]
+        assert (f"| {workload} | {limit:.0f} | {floor.lost_median_seconds:.0f} "
+                f"({floor.misses}) | {ours.lost_median_seconds:.0f} ({ours.misses}) |") in section
+        verdict = section.split("|\n\n")[1]
+        if ours.lost_median_seconds <= limit and ours.misses == 0:
+            assert workload in verdict.split("The sidecar meets the target on ")[1].split(".")[0]
+        elif floor.lost_median_seconds > limit:
+            assert (f"{workload} ({floor.lost_median_seconds:.0f} s against {limit:.0f} s)"
+                    in verdict)
+        else:
+            gap = f"{workload} ({ours.lost_median_seconds:.0f} s and {ours.misses} missed"
+            assert gap in verdict
+    # Saves of 150-240 s with no upload: the floor budgets the longest save, 240 s, which is
+    # more than the oracle's ~200 s x 1.1 + a 20 s step, whatever the draw.
+    assert by[("heavy-saves", BOUND_POLICY)].lost_median_seconds >= get_workload(
+        "heavy-saves").save_max_seconds
+    # Rows only where one save fits: no short-notice workload.
+    assert "| gcp-notice-30s-heavy |" not in section

@@ -43,6 +43,7 @@ __all__ = [
     "SidecarPolicy",
     "SidecarWithPeriodicPolicy",
     "VerlPolicy",
+    "WorstCasePolicy",
     "get_policy",
     "top_up_policy",
 ]
@@ -337,6 +338,43 @@ class OraclePolicy:
         return self._saved
 
 
+class WorstCasePolicy:
+    """A floor for one-save policies that never miss: knows the workload's limits, not its
+    draws, and learns the deadline as the job does.
+
+    The limits are :class:`Workload`'s ``step_max_seconds``, ``save_max_seconds`` and
+    ``upload_max_seconds`` (a link that may halve at its worst, lognormal uploads at their
+    99.9th percentile). It makes one save at the last step from which the longest step,
+    save and upload still end by the known deadline, then the job exits. A policy that
+    knows less (the guard measures its own steps and saves, and reads the daemon's upload
+    estimate) must budget at least as much to keep 0 misses with one save, so where this
+    one's median lost time is above a target, no such policy meets it."""
+
+    waits = False
+
+    def __init__(self, run: RunInfo) -> None:
+        workload = run.trace.workload
+        self._step = workload.step_max_seconds
+        self._durable = workload.save_max_seconds + workload.upload_max_seconds
+        self._saved = False
+
+    def record_step(self, seconds: float) -> None:
+        pass
+
+    def should_save(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        if self._saved or deadline_seconds is None:
+            return False
+        return deadline_seconds - now_seconds < self._step + self._durable
+
+    def record_save(self, seconds: float, started_seconds: float) -> None:
+        self._saved = True
+
+    def should_stop(self, now_seconds: float, deadline_seconds: Optional[float],
+                    upload_seconds: Optional[float] = None) -> bool:
+        return self._saved
+
+
 @dataclass(frozen=True)
 class PolicyFactory:
     """A named recipe: each simulated run gets a fresh policy from ``make``."""
@@ -399,6 +437,10 @@ POLICIES: dict[str, PolicyFactory] = {
                       "by the guard; a periodic save is the final one only if the deadline was "
                       "known and inside the window when it started",
                       lambda run: SidecarWithPeriodicPolicy(30 * 60.0)),
+        PolicyFactory("worst-case", "knows the workload's limits, not its draws: one save at "
+                      "the last step from which the longest step, save and upload still end by "
+                      "the deadline (a floor for one-save policies that never miss)",
+                      WorstCasePolicy),
         PolicyFactory("oracle", "knows the future: one save after the last step from which the "
                       "save and its upload end by the reclaim (the limit)", OraclePolicy),
     )
