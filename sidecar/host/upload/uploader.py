@@ -274,15 +274,15 @@ class Uploader:
                 self._self_contain(self._referring[-1])
                 return 0.0
             if self._probe is not None:
-                self._probe.run_if_due(self._probe_should_stop)
+                self._probe.run_if_due(self._idle_work_should_stop)
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
 
     def _self_contain(self, name: str) -> None:
-        """Copy server-side what ``name`` refers to; it gives way like a probe does."""
+        """Copy server-side what ``name`` refers to; it gives way as all idle work does."""
         try:
-            copied = self.destination.make_self_contained(name, self._probe_should_stop)
+            copied = self.destination.make_self_contained(name, self._idle_work_should_stop)
         except Cancelled:
             return  # again once idle
         except Exception as exc:
@@ -303,9 +303,10 @@ class Uploader:
         if any(entry.checkpoint != name for entry in self._durable.values()):
             self._referring = [other for other in self._referring if other != name] + [name]
 
-    def _probe_should_stop(self) -> Optional[str]:
-        """A probe gives way to anything the folder does (a checkpoint saved, a save
-        begun): the upload thread must not be busy probing when there is a file to send."""
+    def _idle_work_should_stop(self) -> Optional[str]:
+        """Idle work (a probe, a server-side copy of unchanged files) gives way to anything
+        the folder does (a checkpoint saved, a save begun): the upload thread must not be
+        busy with it when there is a file to send."""
         if self._stop.is_set():
             return "stopping"
         return "the checkpoint folder changed" if self._wake.is_set() else None
