@@ -197,6 +197,13 @@ def test_worst_case_saves_once_as_late_as_the_workloads_limits_allow(name: str) 
         assert worst <= outcome.lost_seconds < worst + workload.step_max_seconds
 
 
+@pytest.mark.parametrize("name", ["heavy-brought-forward", "spot-notice-120s"])
+def test_worst_case_misses_no_feasible_deadline_learned_late(name: str) -> None:
+    # The deadline moves or comes with a notice: the save is for the deadline learned then.
+    (result,) = run([name], ["worst-case"], seeds=30)
+    assert result.feasible_runs > 0 and result.misses == 0
+
+
 def test_worst_case_waits_for_a_deadline_and_stops_after_its_save() -> None:
     workload = get_workload("heavy-upload")
     policy = WorstCasePolicy(RunInfo(workload.trace(0), reclaim_seconds=5000.0))

@@ -343,12 +343,13 @@ class WorstCasePolicy:
     draws, and learns the deadline as the job does.
 
     The limits are :class:`Workload`'s ``step_max_seconds``, ``save_max_seconds`` and
-    ``upload_max_seconds`` (a link that may halve at its worst, lognormal uploads at their
-    99.9th percentile). It makes one save at the last step from which the longest step,
-    save and upload still end by the known deadline, then the job exits. A policy that
-    knows less (the guard measures its own steps and saves, and reads the daemon's upload
-    estimate) must budget at least as much to keep 0 misses with one save, so where this
-    one's median lost time is above a target, no such policy meets it."""
+    ``upload_max_seconds`` (where the link may halve, every upload at half speed;
+    lognormal uploads at their 99.9th percentile). It makes one save at the last step from
+    which the longest step, save and upload still end by the known deadline, then the job
+    exits. Where the draws are independent and bounded, a one-save policy that can miss
+    on no draw and knows no more than the limits cannot save later, so cannot lose less.
+    The sidecar knows neither the limits nor the coming draws; it estimates them from
+    what it measured."""
 
     waits = False
 
@@ -439,7 +440,9 @@ POLICIES: dict[str, PolicyFactory] = {
                       lambda run: SidecarWithPeriodicPolicy(30 * 60.0)),
         PolicyFactory("worst-case", "knows the workload's limits, not its draws: one save at "
                       "the last step from which the longest step, save and upload still end by "
-                      "the deadline (a floor for one-save policies that never miss)",
+                      "the deadline, then exits (a floor for one-save policies that never "
+                      "miss, where draws are independent; a release moved later costs it the "
+                      "extension)",
                       WorstCasePolicy),
         PolicyFactory("oracle", "knows the future: one save after the last step from which the "
                       "save and its upload end by the reclaim (the limit)", OraclePolicy),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result
 from sidecar.tools.simulate.policies import POLICIES
-from sidecar.tools.simulate.workloads import WORKLOADS
+from sidecar.tools.simulate.workloads import WORKLOADS, get_workload
 from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
 __all__ = [
@@ -149,7 +149,7 @@ def targets(results: Sequence[Result], policy: str = "sidecar") -> list[Target]:
             continue
         rows.append(Target(
             workload=name, oracle_seconds=oracle.lost_median_seconds,
-            step_seconds=WORKLOADS[name].step_seconds if name in WORKLOADS else 0.0,
+            step_seconds=get_workload(name).step_seconds,
             policy_seconds=ours.lost_median_seconds, misses=ours.misses,
             window_saves_max=ours.window_saves_max,
         ))

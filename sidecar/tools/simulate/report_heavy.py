@@ -11,16 +11,21 @@ rest of the document; the CLI appends this section to it (``write_heavy_section`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from sidecar.tools.simulate.engine import DEFAULT_NOTICE_DELAY_SECONDS, Result, run
-from sidecar.tools.simulate.report import TARGET_SLACK
+from sidecar.tools.simulate.report import Target
 from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS, get_workload
 
 __all__ = [
+    "FLOOR_EXTRA_WORKLOADS",
+    "FLOOR_POLICY",
     "HEAVY_POLICIES",
     "HEAVY_SECTION_WORKLOADS",
+    "FloorRow",
+    "floor_verdicts",
     "render_heavy",
     "run_heavy",
     "write_heavy_section",
@@ -32,10 +37,10 @@ HEAVY_POLICIES: tuple[str, ...] = (
     "sidecar-auto-margin", "oracle",
 )
 # The floor for one-save policies that never miss, beside the target: its own table.
-BOUND_POLICY = "worst-case"
+FLOOR_POLICY = "worst-case"
 # The main document's workloads whose target is missed or tight, beside the heavy ones.
-BOUND_EXTRA_WORKLOADS = ("slow-saves", "upload-3min", "spot-notice-120s")
-_BOUND_EXTRA_POLICIES = (BOUND_POLICY, "sidecar", "sidecar-auto-margin", "oracle")
+FLOOR_EXTRA_WORKLOADS = ("slow-saves", "upload-3min", "spot-notice-120s")
+_FLOOR_EXTRA_POLICIES = (FLOOR_POLICY, "sidecar", "sidecar-auto-margin", "oracle")
 # A late save's cost shows where the notice is about one save long: run for the paragraph,
 # not shown in the table.
 LATE_COST_WORKLOAD = "spot-notice-60s"
@@ -52,11 +57,11 @@ def run_heavy(
     progress: Optional[Callable[[float], None]] = None,
 ) -> list[Result]:
     """The section's runs: every heavy-section workload under ``HEAVY_POLICIES`` and
-    ``BOUND_POLICY``, the floor's comparison on ``BOUND_EXTRA_WORKLOADS``, then the
+    ``FLOOR_POLICY``, the floor's comparison on ``FLOOR_EXTRA_WORKLOADS``, then the
     sidecar with and without late saves on ``LATE_COST_WORKLOAD``."""
-    results = run(list(HEAVY_SECTION_WORKLOADS), [*HEAVY_POLICIES, BOUND_POLICY], seeds,
+    results = run(list(HEAVY_SECTION_WORKLOADS), [*HEAVY_POLICIES, FLOOR_POLICY], seeds,
                   seed0, notice_delay_seconds=notice_delay_seconds, progress=progress)
-    results += run(list(BOUND_EXTRA_WORKLOADS), list(_BOUND_EXTRA_POLICIES), seeds, seed0,
+    results += run(list(FLOOR_EXTRA_WORKLOADS), list(_FLOOR_EXTRA_POLICIES), seeds, seed0,
                    notice_delay_seconds=notice_delay_seconds)
     return results + run([LATE_COST_WORKLOAD], list(_LATE_COST_POLICIES), seeds, seed0,
                          notice_delay_seconds=notice_delay_seconds)
@@ -196,78 +201,107 @@ def _fallback_text(results: Sequence[Result]) -> str:
     )
 
 
-def _limit_seconds(results: Sequence[Result], workload: str) -> Optional[float]:
-    """The target on ``workload``: the oracle's median lost time x 1.1 + one step (the
-    main document's Target), None where the oracle did not run."""
-    oracle = _by(results).get((workload, "oracle"))
-    if oracle is None:
-        return None
-    return oracle.lost_median_seconds * (1 + TARGET_SLACK) + get_workload(workload).step_seconds
+@dataclass(frozen=True)
+class FloorRow:
+    """One workload where one save fits: the sidecar's default against the target (the
+    main document's :class:`Target`), the floor and the auto margin."""
+
+    target: Target
+    floor: Result
+    auto: Result
 
 
-def _bound_rows(results: Sequence[Result]) -> list[tuple[str, float, Result, Result, Result]]:
-    """``(workload, limit, floor, sidecar, auto margin)`` where one save fits and all ran."""
+def _floor_rows(results: Sequence[Result]) -> list[FloorRow]:
     by = _by(results)
     rows = []
-    for workload in (*HEAVY_SECTION_WORKLOADS, *BOUND_EXTRA_WORKLOADS):
-        limit = _limit_seconds(results, workload)
-        bound, ours, auto = (by.get((workload, p))
-                             for p in (BOUND_POLICY, "sidecar", "sidecar-auto-margin"))
-        if (limit is not None and bound is not None and ours is not None and auto is not None
-                and ours.feasible_runs):
-            rows.append((workload, limit, bound, ours, auto))
+    for workload in (*HEAVY_SECTION_WORKLOADS, *FLOOR_EXTRA_WORKLOADS):
+        ours, oracle, floor, auto = (by.get((workload, p)) for p in (
+            "sidecar", "oracle", FLOOR_POLICY, "sidecar-auto-margin"))
+        if ours is None or oracle is None or floor is None or auto is None:
+            continue
+        if ours.feasible_runs:
+            rows.append(FloorRow(Target(
+                workload=workload, oracle_seconds=oracle.lost_median_seconds,
+                step_seconds=get_workload(workload).step_seconds,
+                policy_seconds=ours.lost_median_seconds, misses=ours.misses,
+                window_saves_max=ours.window_saves_max), floor, auto))
     return rows
 
 
-def _bound_table(results: Sequence[Result]) -> str:
-    """Per workload where one save fits: the target, the floor ``BOUND_POLICY`` reaches
-    and the sidecar's figures, default and auto margin."""
+def _floor_table(results: Sequence[Result]) -> str:
     lines = [
-        f"| workload | limit s (oracle x 1.1 + one step) | {BOUND_POLICY} median lost s "
+        f"| workload | limit s (oracle x 1.1 + one step) | {FLOOR_POLICY} median lost s "
         "(missed) | sidecar median lost s (missed) | sidecar-auto-margin median lost s "
-        "(missed) |",
-        "|---|---:|---:|---:|---:|",
+        "(missed) | met |",
+        "|---|---:|---:|---:|---:|---|",
     ]
-    for workload, limit, *cells in _bound_rows(results):
-        lines.append(f"| {workload} | {limit:.0f} | " + " | ".join(
-            f"{c.lost_median_seconds:.0f} ({c.misses})" for c in cells) + " |")
+    for row in _floor_rows(results):
+        t = row.target
+        lines.append(
+            f"| {t.workload} | {t.limit_seconds:.0f} "
+            f"| {row.floor.lost_median_seconds:.0f} ({row.floor.misses}) "
+            f"| {t.policy_seconds:.0f} ({t.misses}) "
+            f"| {row.auto.lost_median_seconds:.0f} ({row.auto.misses}) "
+            f"| {'yes' if t.met else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 
-def _bound_text(results: Sequence[Result]) -> str:
-    """Where the target is out of reach of a one-save policy that never misses, where
-    the sidecar meets it, and what the sidecar pays against the floor elsewhere."""
-    beyond, met, gaps = [], [], []
-    for workload, limit, bound, ours, _auto in _bound_rows(results):
-        if ours.lost_median_seconds <= limit and ours.misses == 0:
-            met.append(workload)
-        elif bound.lost_median_seconds > limit:
-            beyond.append(f"{workload} ({bound.lost_median_seconds:.0f} s against "
-                          f"{limit:.0f} s)")
-        else:
-            gaps.append(f"{workload} ({ours.lost_median_seconds:.0f} s and {ours.misses} "
-                        f"missed, against {bound.lost_median_seconds:.0f} s and "
-                        f"{bound.misses})")
+def floor_verdicts(results: Sequence[Result]) -> dict[str, list[str]]:
+    """Each workload of the floor's table in exactly one list: ``met`` (the sidecar's
+    default meets the target), ``below`` (the sidecar loses less than the floor: the floor
+    is not one there), ``above`` (the floor itself is above the target), ``gap`` (the
+    floor meets the target, the sidecar does not)."""
+    verdicts: dict[str, list[str]] = {"met": [], "below": [], "above": [], "gap": []}
+    for row in _floor_rows(results):
+        t, floor = row.target, row.floor.lost_median_seconds
+        key = ("met" if t.met else "below" if t.policy_seconds < floor
+               else "above" if floor > t.limit_seconds else "gap")
+        verdicts[key].append(t.workload)
+    return verdicts
+
+
+def _floor_text(results: Sequence[Result]) -> str:
+    rows = {row.target.workload: row for row in _floor_rows(results)}
+    verdicts = floor_verdicts(results)
+
+    def figures(name: str) -> str:
+        row = rows[name]
+        t = row.target
+        return (f"{name} (sidecar {t.policy_seconds:.0f} s, {t.misses} missed; floor "
+                f"{row.floor.lost_median_seconds:.0f} s, {row.floor.misses} missed; limit "
+                f"{t.limit_seconds:.0f} s)")
+
+    def listed(key: str) -> str:
+        return _listed([figures(name) for name in verdicts[key]], "none")
+
+    auto = [f"{name} {row.target.policy_seconds:.0f} -> {row.auto.lost_median_seconds:.0f} s"
+            for name, row in rows.items()
+            if row.auto.lost_median_seconds < row.target.policy_seconds - _SAME_SECONDS]
     return (
-        f"`{BOUND_POLICY}` knows each workload's limits but not its draws: the longest "
-        "step, save and upload it can draw (a link that may halve taken at its worst; "
-        "lognormal uploads, which have no longest, at their 99.9th percentile, a cut in "
-        "about 1000 releases, so a budget that accepts a larger chance of a cut, as the "
-        "sidecar's does there, can lose less). It saves once, at the last step from which all three still "
-        "end by the deadline it knows, and exits. A policy that makes one final save and "
-        "never misses, and knows no more than the limits, cannot lose less; the sidecar "
-        "knows less: it measures its own steps and saves, and reads the daemon's estimate "
-        "of the upload. The floor is above the target on "
-        f"{_listed(beyond, 'no workload here')}: the target asks a one-save policy there "
-        "to know the next save's or upload's duration, or to accept cut saves. The sidecar "
-        f"meets the target on {_listed(met, 'no workload here')}. Elsewhere the floor "
-        f"meets it and the sidecar's default does not: {_listed(gaps, 'nowhere here')}. "
-        "That is the price of budgeting from measurements (the 120 s margin, x1.2 on the "
-        "saves measured and on the upload estimate, a fallback save) where the floor "
-        "budgets the true limits, which a job does not know: a longer save, a slower link "
-        "or a link that halves during the final upload is what the margin is for, and "
-        "the floor, which pays for a halving link on every upload where one may come, "
-        "would cost every job with an upload as much.\n"
+        f"`{FLOOR_POLICY}` knows each workload's limits but not its draws: the longest "
+        "step, save and upload it can draw (where the link may halve, every upload at half "
+        "speed; lognormal uploads, which have no longest, at their 99.9th percentile). It "
+        "saves once, at the last step from which all three still end by the deadline it "
+        "knows, then exits, so a release moved later costs it the extension. Where steps, "
+        "saves and uploads are drawn independently and have a longest, no policy that makes "
+        "one final save and can miss on no draw loses less without knowing more than the "
+        "limits. The sidecar knows neither the limits nor the coming draws: it estimates "
+        "them from the steps and saves it measured and the daemon's upload estimate.\n\n"
+        f"- **Met** by the sidecar's default: {_listed(verdicts['met'], 'none')}.\n"
+        f"- **The floor above the target**: {listed('above')}. A one-save policy meets "
+        "the target there only by knowing the next save's or upload's duration before it "
+        "runs, or by accepting saves that the release cuts.\n"
+        f"- **The sidecar below the floor**: {listed('below')}. There the floor is not "
+        "one: the uploads have no longest, and the sidecar's budget (the daemon's slow-tail "
+        "estimate x1.2, the margin) accepts a small chance of a cut.\n"
+        f"- **The floor meets the target, the sidecar's default does not**: {listed('gap')}. "
+        "The difference is the 120 s margin, the x1.2 on the saves measured and on the "
+        "upload estimate, and, where the upload is longer than the margin, the fallback "
+        "save: budgets a job sets from its measurements for a save or a link slower than "
+        "any measured so far, which the floor is told cannot come. Where the link may "
+        "halve, the floor misses nothing because it budgets every upload at half speed; a "
+        "default that did so would pay that on every upload of every job. The auto margin "
+        f"(opt-in) closes part of it: {_listed(auto, 'nowhere here')}.\n"
     )
 
 
@@ -285,8 +319,8 @@ def render_heavy(results: Sequence[Result], seeds: int) -> str:
         + "\n### The fallback save\n\n" + _fallback_text(results)
         + "\n### Late saves\n\n" + _late_text(results)
         + "\n### Choosing the margin\n\n" + _margin_text(results)
-        + "\n### What one save can reach\n\n" + _bound_table(results) + "\n"
-        + _bound_text(results)
+        + "\n### What one save can reach\n\n" + _floor_table(results) + "\n"
+        + _floor_text(results)
     )
 
 

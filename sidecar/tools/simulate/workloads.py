@@ -201,11 +201,11 @@ class Workload:
 
     @property
     def step_max_seconds(self) -> float:
-        factor = 1.0
+        factor = 1.0  # a spike step may be a straggler too: draw_step multiplies both
         if self.spike_every:
-            factor = max(factor, self.spike_factor)
+            factor *= self.spike_factor
         if self.straggler_probability:
-            factor = max(factor, self.straggler_factor[1])
+            factor *= self.straggler_factor[1]
         return self.step_seconds * (1 + self.step_jitter) * factor
 
     @property
@@ -214,9 +214,9 @@ class Workload:
 
     @property
     def upload_max_seconds(self) -> float:
+        factor = 2.0 if self.link_halves is not None else 1.0  # at worst all at half speed
         if self.upload_sigma:  # unbounded: its 99.9th percentile, z = 3.09
-            return self.upload_seconds * math.exp(3.09 * self.upload_sigma)
-        factor = 2.0 if self.link_halves is not None else 1.0
+            return self.upload_seconds * math.exp(3.09 * self.upload_sigma) * factor
         return self.upload_seconds * (1 + self.upload_jitter) * factor
 
     def trace(self, seed: int) -> Trace:
