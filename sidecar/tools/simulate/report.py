@@ -12,6 +12,7 @@ import io
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result
 from sidecar.tools.simulate.policies import POLICIES
@@ -138,14 +139,18 @@ class Target:
 TARGET_SLACK = 0.10
 
 
-def targets(results: Sequence[Result], policy: str = "sidecar") -> list[Target]:
-    """The target per reference workload where both ``policy`` and the oracle ran and
-    runs were feasible."""
+def targets(results: Sequence[Result], policy: str = "sidecar",
+            workloads: Optional[Sequence[str]] = None) -> list[Target]:
+    """The target per workload where both ``policy`` and the oracle ran and runs were
+    feasible: the reference workloads, in the order run, or ``workloads`` (stress ones
+    included) in that order."""
     by_key = {(r.workload, r.policy): r for r in results}
+    names = workloads if workloads is not None else [
+        name for name in dict.fromkeys(r.workload for r in results) if not _is_stress(name)]
     rows = []
-    for name in dict.fromkeys(r.workload for r in results):
+    for name in names:
         ours, oracle = by_key.get((name, policy)), by_key.get((name, "oracle"))
-        if ours is None or oracle is None or _is_stress(name) or not ours.feasible_runs:
+        if ours is None or oracle is None or not ours.feasible_runs:
             continue
         rows.append(Target(
             workload=name, oracle_seconds=oracle.lost_median_seconds,

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from sidecar.tools.simulate.engine import DEFAULT_NOTICE_DELAY_SECONDS, Result, run
-from sidecar.tools.simulate.report import Target
-from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS, get_workload
+from sidecar.tools.simulate.report import Target, targets
+from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS
 
 __all__ = [
     "FLOOR_EXTRA_WORKLOADS",
@@ -214,17 +214,11 @@ class FloorRow:
 def _floor_rows(results: Sequence[Result]) -> list[FloorRow]:
     by = _by(results)
     rows = []
-    for workload in (*HEAVY_SECTION_WORKLOADS, *FLOOR_EXTRA_WORKLOADS):
-        ours, oracle, floor, auto = (by.get((workload, p)) for p in (
-            "sidecar", "oracle", FLOOR_POLICY, "sidecar-auto-margin"))
-        if ours is None or oracle is None or floor is None or auto is None:
-            continue
-        if ours.feasible_runs:
-            rows.append(FloorRow(Target(
-                workload=workload, oracle_seconds=oracle.lost_median_seconds,
-                step_seconds=get_workload(workload).step_seconds,
-                policy_seconds=ours.lost_median_seconds, misses=ours.misses,
-                window_saves_max=ours.window_saves_max), floor, auto))
+    for target in targets(results, workloads=(*HEAVY_SECTION_WORKLOADS, *FLOOR_EXTRA_WORKLOADS)):
+        floor = by.get((target.workload, FLOOR_POLICY))
+        auto = by.get((target.workload, "sidecar-auto-margin"))
+        if floor is not None and auto is not None:
+            rows.append(FloorRow(target, floor, auto))
     return rows
 
 
