@@ -10,7 +10,8 @@ save function, the upload followed until durable); then training goes on in the 
 process: ``should_stop()`` never stops for a drill. A rank is done with a drill when its
 checkpoint is durable, when the lead could not hold a save (none is started), or when the
 drill's deadline passes; it then reports once (a ``"drill"`` job event with the figures)
-and ignores that drill from then on.
+and ignores that drill from then on. "durable" means durable by the drill deadline: a
+checkpoint durable only after it is reported "not-durable" (a release would have lost it).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class DrillFollower:
         with it, or its deadline passed: then it reports)."""
         drill = self._tracker.drill if self._enabled else None
         if drill is None:
+            # The daemon serves a drill only until its deadline: one this rank saved for
+            # (a save that ran past it) is still judged and reported.
+            if self._save is not None and self._deadline is not None and (
+                now_unix >= self._deadline
+            ):
+                self._deadline_passed()
             return None
         identity = str(drill.get("id"))
         deadline = float(drill["expires_at_unix"])  # type: ignore[arg-type]  # checked: models
@@ -132,19 +139,32 @@ class DrillFollower:
             return
         final = self._durability.final
         if final.durable_unix is not None and final.step == self._save.step:
-            self._finish("durable", durable_unix=final.durable_unix)
+            self._durable(final.durable_unix)
 
     def _deadline_passed(self) -> None:
+        if self._id is None or self._id in self._done:
+            return
         self._durability.follow()
         final = self._durability.final
         if self._save is not None and final.durable_unix is not None and (
             final.step == self._save.step
         ):
-            self._finish("durable", durable_unix=final.durable_unix)
+            self._durable(final.durable_unix)
         elif self._save is not None:
             self._finish("not-durable", reason=f"upload {self._tracker.upload_status or 'none'}")
         else:
             self._finish("no-save", reason="no save was asked for before the drill deadline")
+
+    def _durable(self, durable_unix: float) -> None:
+        """The drill's checkpoint is durable: a drill passes only when it was durable by
+        the drill deadline; later is "not-durable", as a release would have found it."""
+        assert self._deadline is not None
+        late = durable_unix - self._deadline
+        if late > 0:
+            self._finish("not-durable", durable_unix=durable_unix,
+                         reason=f"durable {late:.1f} s after the drill deadline")
+        else:
+            self._finish("durable", durable_unix=durable_unix)
 
     def _finish(self, outcome: str, *, reason: Optional[str] = None,
                 durable_unix: Optional[float] = None, budget: Optional[float] = None,

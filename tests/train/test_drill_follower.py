@@ -144,3 +144,37 @@ def test_a_lead_that_cannot_hold_a_save_starts_none_and_fails_with_the_reason() 
         assert "no save started" in decided["reason"]
         assert "for a save" in decided["reason"]  # the rule's own words: remaining < save
         assert decided["figures"]["outcome"] == "too-late"
+
+
+def test_a_checkpoint_durable_after_the_drill_deadline_is_not_reported_durable() -> None:
+    # The save the rule asks for runs past the drill deadline (no uploader: the local save
+    # is durable when it ends), so the checkpoint is durable too late: a release would have
+    # found none. The guard says so; it must not send "durable" with a negative lead.
+    with static_daemon(time.time() + 3600) as daemon:
+        guard = CheckpointGuard(SidecarClient(daemon.url), policy(), environ={},
+                                refresh_seconds=0.05)
+        saves: list[int] = []
+        guard.record_step(STEP_SECONDS)
+        guard.should_save()
+        wait_for(lambda: job_heard(daemon.url))
+        drill = start_drill(daemon.url, 3.0)
+        step = 0
+        limit = time.monotonic() + 20
+        while not verdict(daemon.url, drill["id"]):
+            assert time.monotonic() < limit, f"no verdict by step {step}"
+            with guard.step():
+                time.sleep(STEP_SECONDS)
+            if guard.should_save():
+                with guard.saving(step):
+                    saves.append(step)
+                    # A save slower than planned: it ends 0.5 s after the drill deadline.
+                    time.sleep(max(0.0, drill["expires_at_unix"] - time.time()) + 0.5)
+            assert guard.should_stop() is False
+            step += 1
+        decided = verdict(daemon.url, drill["id"])
+        figures = decided["figures"]
+        assert len(saves) == 1 and figures["step"] == saves[0], decided
+        assert figures["outcome"] == "not-durable", decided
+        assert figures["lead_seconds"] < 0 and figures["durable_seconds"] > 0, figures
+        assert decided["verdict"] == "FAIL", decided
+        assert "after the drill deadline" in decided["reason"], decided
