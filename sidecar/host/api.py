@@ -130,9 +130,10 @@ def create_app(
     protection: Optional[ProtectionBoard] = None,
     reclaims: Optional[ReclaimLedger] = None,
     drills: Optional[DrillBoard] = None,
+    writes_need_token: bool = False,
 ) -> FastAPI:
-    """The API over ``store``; with ``token``, peers beyond loopback must send it
-    (``sidecar.host.auth``)."""
+    """The API over ``store``; with ``token``, peers beyond loopback must send it, and with
+    ``writes_need_token`` every write too (``sidecar.host.auth``)."""
     app = FastAPI(
         title="esi-sidecar",
         version=__version__,
@@ -297,7 +298,8 @@ def create_app(
             verdict = build_health(store.snapshot(), clock())
             return (200 if verdict.ok else 503), verdict.status
 
-        app.add_middleware(RequireToken, token=token, health=health)  # outermost
+        app.add_middleware(RequireToken, token=token, health=health,  # outermost
+                           writes_need_token=writes_need_token)
     return app
 
 

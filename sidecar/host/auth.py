@@ -10,6 +10,11 @@ only the service can read (``--token-file``), and is compared in constant time.
 ``/healthz`` answers its status code to anyone, so that a kubelet or load-balancer probe
 works without the secret; a peer without the token gets ``{"status": ...}`` only, none of
 the details (source errors, uploads).
+
+Where loopback is not this host alone (a pod with ``hostNetwork``: every pod on the node
+is on the node's loopback), ``--writes-need-token`` makes every request but a GET or HEAD
+need the token from loopback too: reading stays open, and no local process can post
+events, accounts or drills without the secret (issue 35, item 7).
 """
 
 from __future__ import annotations
@@ -24,13 +29,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = [
-    "MIN_TOKEN_LENGTH", "RequireToken", "check_exposure", "check_token", "is_loopback",
-    "read_token_file",
+    "MIN_TOKEN_LENGTH", "READ_METHODS", "RequireToken", "check_exposure", "check_token",
+    "is_loopback", "read_token_file",
 ]
 
 MIN_TOKEN_LENGTH = 16  # characters: `openssl rand -hex 16` gives 32
 MAX_TOKEN_LENGTH = 4096
 HEALTH_PATH = "/healthz"
+READ_METHODS = ("GET", "HEAD")  # open on loopback even when writes need the token
 
 
 def check_token(token: str) -> str:
@@ -72,8 +78,12 @@ def is_loopback(host: str) -> bool:
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
-def check_exposure(listen: Sequence[tuple[str, int]], token: Optional[str]) -> Optional[str]:
+def check_exposure(listen: Sequence[tuple[str, int]], token: Optional[str],
+                   writes_need_token: bool = False) -> Optional[str]:
     """Why these listen addresses cannot be served as configured (one line), or None."""
+    if writes_need_token and token is None:
+        return ("--writes-need-token needs the token: set ESI_SIDECAR_TOKEN or --token-file "
+                "(docs/deploy.md, \"Containers\")")
     beyond = [f"{host}:{port}" for host, port in listen if not is_loopback(host)]
     if beyond and token is None:
         return (f"--listen {','.join(beyond)} is beyond loopback: anyone who can reach it "
@@ -83,13 +93,16 @@ def check_exposure(listen: Sequence[tuple[str, int]], token: Optional[str]) -> O
 
 
 class RequireToken:
-    """ASGI wrapper, outermost: peers off loopback need the bearer token (401 otherwise);
-    ``health()`` gives ``/healthz``'s (status code, status) for those without it."""
+    """ASGI wrapper, outermost: peers off loopback need the bearer token (401 otherwise),
+    and with ``writes_need_token`` so do writes from loopback; ``health()`` gives
+    ``/healthz``'s (status code, status) for those without it."""
 
-    def __init__(self, app: Any, token: str, health: Callable[[], tuple[int, str]]) -> None:
+    def __init__(self, app: Any, token: str, health: Callable[[], tuple[int, str]],
+                 writes_need_token: bool = False) -> None:
         self.app = app
         self._token = token.encode("ascii")
         self._health = health
+        self._writes_need_token = writes_need_token
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http" or self._allowed(scope):
@@ -100,13 +113,16 @@ class RequireToken:
             await _answer(send, code, {"status": status}, scope["method"] == "HEAD")
             return
         await _answer(send, 401, {"error": "this daemon needs Authorization: Bearer <token> "
-                                           "from beyond loopback (ESI_SIDECAR_TOKEN)"},
+                                           "from beyond loopback, and for writes from "
+                                           "loopback too with --writes-need-token "
+                                           "(ESI_SIDECAR_TOKEN)"},
                       scope.get("method") == "HEAD",
                       extra=[(b"www-authenticate", b'Bearer realm="esi-sidecar"')])
 
     def _allowed(self, scope: Any) -> bool:
         client = scope.get("client")
-        if client and is_loopback(str(client[0])):
+        reading = scope.get("method") in READ_METHODS
+        if client and is_loopback(str(client[0])) and (reading or not self._writes_need_token):
             return True
         for name, value in scope.get("headers", ()):
             if name == b"authorization":  # the scheme is case-insensitive (RFC 9110)

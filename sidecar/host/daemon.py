@@ -106,7 +106,7 @@ def build_daemon(settings: Settings) -> Daemon:
     drills = DrillBoard()  # in memory: a restart leaves no drill behind
     events = ReportingHistory(drills, on_change=state.changed)
     reclaims = ReclaimLedger(events, uploads=settings.upload_to is not None,
-                             on_change=state.changed)
+                             on_change=state.changed, deadline=partial(_served_deadline, store))
     state.add(StoreSection(store), events, reclaims)
     rate = settings.effective_max_api_rate
     poller = Poller(
@@ -158,10 +158,20 @@ def build_daemon(settings: Settings) -> Daemon:
     app = create_app(store, lifespan=lifespan,
                      uploads=uploader.tracker if uploader is not None else None,
                      token=settings.token, events=events, protection=protection,
-                     reclaims=reclaims, drills=drills)
+                     reclaims=reclaims, drills=drills,
+                     writes_need_token=settings.writes_need_token)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
     return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)
+
+
+def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
+    """The deadline the daemon's own sources serve now (a drill's never is): the releases
+    the daemon sees come from it alone (sidecar.host.releases_seen)."""
+    expiry = store.expiry(now)
+    if expiry.expires_at_unix is None or expiry.source is None:
+        return None
+    return expiry.source, expiry.expires_at_unix
 
 
 def _build_uploader(settings: Settings, store: Store) -> Any:
@@ -358,8 +368,9 @@ def run(settings: Settings, sockets: Optional[list[socket.socket]] = None) -> No
     addresses = ", ".join(_format_address(sock) for sock in sockets)
     log.info("serving on %s (sources: %s)", addresses, ", ".join(settings.sources))
     if settings.token is not None:
-        log.info("peers beyond loopback must send the token (Authorization: Bearer); "
-                 "loopback needs none")
+        log.info("peers beyond loopback must send the token (Authorization: Bearer); %s",
+                 "writes from loopback too (--writes-need-token)" if settings.writes_need_token
+                 else "loopback needs none")
     if daemon.connections.limit < MAX_CONNECTIONS:
         log.warning("open-file limit %d: at most %d connections at once (LimitNOFILE= "
                     "raises it)", open_files, daemon.connections.limit)

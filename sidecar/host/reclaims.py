@@ -8,13 +8,23 @@ the wait after the final save, redone the training after that state. The account
 ``reclaims`` section of the state file (``sidecar.host.statefile``), so a restart keeps
 them; exported in ``/metrics`` (counters and a histogram of lost seconds) and drawn on the
 status page (issue 24, item 3).
+
+What is posted is hostile input (issue 35, item 7): any local process can post events or
+an account. So the mean time between reclaims comes only from the releases the daemon saw
+itself (``sidecar.host.releases_seen``), never from an account; accounts are attributed
+(``posted_by``), counted once per job and release, refused when a figure exceeds what
+this daemon could have seen (its uptime plus a day: 422 naming the field), admitted
+:data:`ACCOUNTS_BURST` at once then one a minute (429), and logged at most one line a
+minute, the others counted in that line.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from prometheus_client.core import (
@@ -24,14 +34,26 @@ from prometheus_client.core import (
     Metric,
 )
 
+from sidecar.host.event_limits import TokenBucket
+from sidecar.host.releases_seen import NEAR_SECONDS, ReleasesSeen
 from sidecar.train.protection import short_duration
 from sidecar.train.reclaim_cost import ReleaseCost, effective_ratio, release_cost
 
-__all__ = ["LOST_BUCKETS", "ReclaimLedger", "account_from_events"]
+__all__ = ["ACCOUNTS_BURST", "LOST_BUCKETS", "AccountRefused", "ReclaimLedger",
+           "account_from_events"]
 
 log = logging.getLogger("sidecar.host.reclaims")
 
 KEPT = 50  # accounts kept (the counters count every one)
+CLOSED_KEPT = 1000  # (job, release) keys remembered against a second count
+# Accounts admitted: this many at once, then one a minute (a node's jobs released together,
+# and a restore each, fit in the burst; releases come hours apart).
+ACCOUNTS_BURST = 10
+ACCOUNTS_PER_SECOND = 1 / 60
+LOG_EVERY_SECONDS = 60.0  # one line about accounts a minute at most, the rest counted
+# What no account can exceed: the daemon's uptime plus this (a restore accounts the previous
+# machine's release, before this daemon started).
+SLACK_SECONDS = 86400.0
 STATE_VERSION = 1
 # Lost GPU seconds per release: a good save loses a step or two, a missed one hours.
 LOST_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0)
@@ -78,42 +100,111 @@ def account_from_events(events: list[dict[str, Any]], *, uploads: bool) -> Optio
         started_unix=float(earlier[0]["at_unix"]) if earlier else None, job=stop["job"])
 
 
+class AccountRefused(ValueError):
+    """An account not kept: ``status`` 422 (a figure beyond what could be) or 429 (over the
+    rate); the message names the field or the limit."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class _Account:
+    cost: ReleaseCost
+    posted_by: str  # "job events" (closed by the daemon from them) or "restore from PEER"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.cost.to_json(), "posted_by": self.posted_by}
+
+
+Deadline = Callable[[float], Optional[tuple[str, float]]]
+
+
 class ReclaimLedger:
-    """The accounts of the releases this daemon saw, newest last; a state file section."""
+    """The accounts of the releases this daemon saw, newest last; a state file section.
+
+    ``deadline(now)``: the deadline the daemon's own sources serve now, as (source, Unix
+    time), or None; the releases seen come from it alone."""
 
     name = "reclaims"
     what = "the reclaim costs"
     required = False
 
     def __init__(self, events: Optional[_Events] = None, *, uploads: bool = False,
-                 on_change: Optional[Callable[[], None]] = None) -> None:
+                 on_change: Optional[Callable[[], None]] = None,
+                 deadline: Optional[Deadline] = None,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._events = events
         self._uploads = uploads
         self._on_change = on_change
+        self._deadline = deadline
+        self._clock, self._monotonic = clock, monotonic
+        self._started = clock()
         self._lock = threading.Lock()
-        self._costs: deque[ReleaseCost] = deque(maxlen=KEPT)
+        self._accounts: deque[_Account] = deque(maxlen=KEPT)
         self._totals = {"count": 0, "lost": 0.0, "idle": 0.0, "redone": 0.0, "saves": 0}
         self._observed: list[float] = []  # every lost figure, for the histogram (bounded)
-        self._closed: set[tuple[Optional[str], float]] = set()
+        self._closed: OrderedDict[tuple[Optional[str], float], None] = OrderedDict()
+        self._seen = ReleasesSeen(self._started)
+        self._admit = TokenBucket(ACCOUNTS_PER_SECOND, ACCOUNTS_BURST, monotonic)
+        self._refused = {"implausible": 0, "rate": 0}
+        self._logged_at: Optional[float] = None
+        self._unlogged = 0
 
-    def record(self, cost: ReleaseCost) -> bool:
-        """Keep one account (once per job and release); True when it was new."""
-        key = (cost.job, round(cost.released_unix, 3))
+    def record(self, cost: ReleaseCost, posted_by: str = "job events") -> bool:
+        """Keep one account (once per job and release); True when it was new, False when
+        it was kept already; :class:`AccountRefused` when it is not kept."""
+        key = _key(cost)
+        bound = max(0.0, self._clock() - self._started) + SLACK_SECONDS
         with self._lock:
             if key in self._closed:
                 return False
-            self._closed.add(key)
-            self._costs.append(cost)
+            for name in ("lost_seconds", "idle_seconds", "redone_seconds"):
+                value = getattr(cost, name)
+                if value > bound:
+                    self._refused["implausible"] += 1
+                    self._log_or_count(logging.WARNING, "refused an account from %s: %s %.0f s "
+                                       "is more than this daemon ran plus a day", posted_by,
+                                       name, value)
+                    raise AccountRefused(
+                        f"{name}: {value:.0f} s (released_unix - state_unix for lost_seconds) "
+                        f"is more than this daemon has run plus a day ({bound:.0f} s)", 422)
+            if not self._admit.take():
+                self._refused["rate"] += 1
+                self._log_or_count(logging.WARNING, "refused an account from %s: over %d "
+                                   "at once, then one a minute", posted_by, ACCOUNTS_BURST)
+                raise AccountRefused(f"accounts: more than {ACCOUNTS_BURST} at once, then one "
+                                     "a minute; try later", 429)
+            self._remember(key)
+            self._accounts.append(_Account(cost, posted_by))
             self._count(cost)
-        # A warning when it cost more than ten minutes: a save that came too late.
-        log.log(logging.WARNING if cost.lost_seconds > 600 else logging.INFO,
+            # A warning when it cost more than ten minutes: a save that came too late.
+            self._log_or_count(
+                logging.WARNING if cost.lost_seconds > 600 else logging.INFO,
                 "%s: the release cost %s of GPU time from step %s (%s redone, %s idle, %d "
-                "saves)", cost.job, short_duration(cost.lost_seconds), cost.resumed_step,
-                short_duration(cost.redone_seconds), short_duration(cost.idle_seconds),
-                cost.saves)
+                "saves; posted by %s)", cost.job, short_duration(cost.lost_seconds),
+                cost.resumed_step, short_duration(cost.redone_seconds),
+                short_duration(cost.idle_seconds), cost.saves, posted_by)
         if self._on_change is not None:
             self._on_change()
         return True
+
+    def _remember(self, key: tuple[Optional[str], float]) -> None:
+        self._closed[key] = None
+        while len(self._closed) > CLOSED_KEPT:
+            self._closed.popitem(last=False)
+
+    def _log_or_count(self, level: int, message: str, *args: object) -> None:
+        """One line a minute at most: the others are counted and said with the next."""
+        now = self._monotonic()
+        if self._logged_at is not None and now - self._logged_at < LOG_EVERY_SECONDS:
+            self._unlogged += 1
+            return
+        more, self._unlogged, self._logged_at = self._unlogged, 0, now
+        suffix = f" (and {more} more about accounts since the last line: GET /v1/reclaims)"
+        log.log(level, message + (suffix if more else ""), *args)
 
     def _count(self, cost: ReleaseCost) -> None:
         totals = self._totals
@@ -125,33 +216,68 @@ class ReclaimLedger:
         self._observed = [*self._observed, cost.lost_seconds][-10_000:]
 
     def check(self) -> None:
-        """Close the account of every job whose events end with the release."""
+        """Note the release of the deadline the daemon serves when it comes, and close the
+        account of every job whose events end with the release."""
+        now = self._clock()
+        served = None if self._deadline is None else self._deadline(now)
+        if served is not None and served[1] <= now:
+            self._see(served)
         if self._events is None:
             return
         history = list(reversed(self._events.body(limit=500).get("events", [])))
         for job in {e["job"] for e in history if e["kind"] == "stop" and e.get("released")}:
             cost = account_from_events([e for e in history if e["job"] == job],
                                        uploads=self._uploads)
-            if cost is not None:
-                self.record(cost)
+            if cost is None:
+                continue
+            try:
+                recorded = self.record(cost)
+            except AccountRefused as exc:
+                if exc.status == 422:  # never asked again; over the rate: asked later
+                    with self._lock:
+                        self._remember(_key(cost))
+                continue
+            if recorded and served is not None and served[1] - now <= NEAR_SECONDS:
+                self._see(served)  # a job stopped for the release the daemon serves
+
+    def _see(self, served: tuple[str, float]) -> None:
+        with self._lock:
+            release = self._seen.see(*served)
+        if release is None:
+            return
+        log.info("release seen: %s's deadline %.0f, %s after the one before (or the start "
+                 "of watching)", release.source, release.released_unix,
+                 short_duration(release.life_seconds))
+        if self._on_change is not None:
+            self._on_change()
+
+    def remembered(self) -> int:
+        """How many (job, release) keys are remembered against a second count."""
+        with self._lock:
+            return len(self._closed)
 
     def body(self) -> dict[str, Any]:
-        """The ``GET /v1/reclaims`` body: the accounts newest first, and the totals."""
+        """The ``GET /v1/reclaims`` body: the accounts newest first, the totals, and the
+        releases the daemon saw itself (``releases_seen``: the mean time between reclaims
+        is theirs, never the accounts')."""
         with self._lock:
-            costs = list(self._costs)
+            accounts = list(self._accounts)
             totals = dict(self._totals)
-        return {"reclaims": [c.to_json() for c in reversed(costs)],
+            seen = self._seen.to_json()
+            refused = dict(self._refused)
+        return {"reclaims": [a.to_json() for a in reversed(accounts)],
                 "count": totals["count"], "lost_seconds_total": totals["lost"],
                 "idle_seconds_total": totals["idle"],
                 "redone_seconds_total": totals["redone"],
-                "effective_ratio": effective_ratio(costs)}
+                "effective_ratio": effective_ratio([a.cost for a in accounts]),
+                "releases_seen": seen, "refused": refused}
 
     # ------------------------------------------------------------------ state file
 
     def dump(self) -> dict[str, Any]:
         with self._lock:
-            return {"version": STATE_VERSION, "costs": [c.to_json() for c in self._costs],
-                    "totals": dict(self._totals)}
+            return {"version": STATE_VERSION, "costs": [a.to_json() for a in self._accounts],
+                    "totals": dict(self._totals), "seen": self._seen.dump()}
 
     def load(self, section: Any) -> None:
         """All or nothing; ValueError naming the first bad field."""
@@ -160,25 +286,33 @@ class ReclaimLedger:
         raw, totals = section.get("costs", []), section.get("totals", {})
         if not isinstance(raw, list) or not isinstance(totals, dict):
             raise ValueError("costs: not a list, or totals: not an object")
-        costs = []
+        accounts = []
         for index, item in enumerate(raw[-KEPT:]):
             if not isinstance(item, dict):
                 raise ValueError(f"costs[{index}]: not an object")
             try:
-                costs.append(ReleaseCost.from_json(item))
+                cost = ReleaseCost.from_json(item)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"costs[{index}].{exc}") from None
+            posted_by = item.get("posted_by")
+            if not isinstance(posted_by, str):
+                posted_by = "job events" if cost.closed_by == "daemon" else "restore"
+            accounts.append(_Account(cost, posted_by[:100]))
         kept = {}
         for name in ("count", "lost", "idle", "redone", "saves"):
             value = totals.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"totals.{name}: not a non-negative number")
             kept[name] = value
+        seen = ReleasesSeen(self._started)
+        seen.load(section.get("seen"))
         with self._lock:
-            self._costs.extend(costs)
-            self._closed.update((c.job, round(c.released_unix, 3)) for c in costs)
+            self._accounts.extend(accounts)
+            for account in accounts:
+                self._remember(_key(account.cost))
             self._totals = kept
-            self._observed = [c.lost_seconds for c in costs]
+            self._observed = [a.cost.lost_seconds for a in accounts]
+            self._seen = seen
 
     # ------------------------------------------------------------------ metrics
 
@@ -186,7 +320,8 @@ class ReclaimLedger:
         with self._lock:
             totals = dict(self._totals)
             observed = list(self._observed)
-            ratio = effective_ratio(self._costs)
+            ratio = effective_ratio([a.cost for a in self._accounts])
+            refused = dict(self._refused)
         counters = []
         for name, key, text in (
             ("reclaims", "count", "Releases and reclaims whose cost the daemon accounted"),
@@ -214,4 +349,14 @@ class ReclaimLedger:
             "wall time, across the releases accounted (absent before one)")
         if ratio is not None:
             effective.add_metric([], ratio)
-        return [*counters, histogram, effective]
+        refused_metric = CounterMetricFamily(
+            "esi_sidecar_reclaim_accounts_refused", "Accounts not kept, by reason: "
+            "implausible (a figure beyond the daemon's uptime plus a day) or rate (over "
+            f"{ACCOUNTS_BURST} at once, then one a minute)", labels=["reason"])
+        for reason, count in refused.items():
+            refused_metric.add_metric([reason], count)
+        return [*counters, histogram, effective, refused_metric]
+
+
+def _key(cost: ReleaseCost) -> tuple[Optional[str], float]:
+    return (cost.job, round(cost.released_unix, 3))

@@ -6,7 +6,10 @@ It posts those facts here (docs/protection.md, "What each reclaim cost"); the ac
 made with the one rule (``sidecar.train.reclaim_cost``) and kept in the ledger like the
 daemon's own, so ``/v1/reclaims``, ``/metrics`` and the status page show it. Idempotent:
 the same release posted again is not counted twice. Who may post: the daemon's usual rule
-for writes (loopback, beyond it the token: ``sidecar.host.auth``).
+for writes (loopback, beyond it the token; with ``--writes-need-token`` the token from
+loopback too: ``sidecar.host.auth``). A posted account is attributed to its peer, bounded
+(422 naming the field, 429 over the rate: ``ReclaimLedger.record``) and never moves the mean
+time between reclaims (``sidecar.host.releases_seen``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from sidecar.host.json_body import json_object
-from sidecar.host.reclaims import ReclaimLedger
+from sidecar.host.reclaims import AccountRefused, ReclaimLedger
 from sidecar.train.reclaim_cost import ReleaseCost, release_cost
 
 __all__ = ["MAX_BODY_BYTES", "add_reclaim_routes", "cost_of_restore"]
@@ -69,7 +72,8 @@ def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
               summary="The account of the previous machine's release, from a restore",
               responses={200: {"description": "that release is accounted already"},
                          413: {"description": "a body over 4 KiB"},
-                         422: {"description": "a malformed account"}})
+                         422: {"description": "a malformed or impossible account"},
+                         429: {"description": "too many accounts: try later"}})
     async def close_account(request: Request) -> Response:
         declared = request.headers.get("content-length", "")
         too_large = _answer({"error": f"body: more than {MAX_BODY_BYTES} bytes"}, 413)
@@ -82,6 +86,10 @@ def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
             cost = cost_of_restore(raw, clock())
         except ValueError as exc:
             return _answer({"error": str(exc)}, 422)
-        recorded = ledger.record(cost)
+        peer = "an unknown peer" if request.client is None else request.client.host
+        try:
+            recorded = ledger.record(cost, f"restore from {peer}")
+        except AccountRefused as exc:
+            return _answer({"error": str(exc)}, exc.status)
         return _answer({"recorded": recorded, "reclaim": cost.to_json()},
                        201 if recorded else 200)

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from sidecar.host.schedule import DEFAULT_MAX_API_RATE
 from sidecar.host.sources import registry
-from sidecar.host.sources.spec import ENV_PREFIX, Option
+from sidecar.host.sources.spec import ENV_PREFIX, Option, parse_boolean
 from sidecar.host.sources.spec import parse_text as _text
 from sidecar.host.sources.spec import parse_url as _url
 from sidecar.models import (
@@ -75,6 +75,8 @@ class Settings:
     # read from token_file at load.
     token: Optional[str] = field(default=None, repr=False)
     token_file: Optional[Path] = None
+    # Loopback is shared (hostNetwork): writes need the token from loopback too.
+    writes_need_token: bool = False
     sources: tuple[str, ...] = ("auto",)
     instance_id: Optional[str] = None
     scheduled_instance_id: Optional[str] = None
@@ -341,6 +343,11 @@ OPTIONS: tuple[Option, ...] = (
            env_only=True),
     Option("token_file", Path, "read the token from this file instead (mode 600, readable "
            "by the service only)", "PATH"),
+    Option("writes_need_token", parse_boolean, "every request but GET and HEAD needs the "
+           "token from loopback too: set it where loopback is not this host alone (a pod with "
+           "hostNetwork shares the node's loopback with every pod on it); needs the token: true or "
+           "false (default false)",
+           "BOOL"),
     Option("source", _source_names, _source_help(), "NAME", repeatable=True),
     # The sources' own rows stand where they stood before the specs, so --help and the
     # docs keep their order.
@@ -564,7 +571,7 @@ def storage_options(settings: Settings) -> dict[str, Any]:
 def _check(settings: Settings) -> None:
     from sidecar.host.auth import check_exposure
 
-    exposed = check_exposure(settings.listen, settings.token)
+    exposed = check_exposure(settings.listen, settings.token, settings.writes_need_token)
     if exposed is not None:
         raise ConfigError(exposed)
     if "static" in settings.sources and settings.expires_at is None:

@@ -334,17 +334,18 @@ class SidecarClient:
         return notices
 
     def machine_lives(self) -> Optional[list[float]]:
-        """How long each machine the daemons saw released had run its job (seconds), from
-        ``GET /v1/reclaims``; None when no daemon answered it. Never raises."""
-        reclaims = self._bodies(RECLAIMS_PATH, "reclaims")
-        if reclaims is None:
+        """How long each machine the daemons saw released themselves had run (seconds),
+        from ``GET /v1/reclaims``'s ``releases_seen``; None when no daemon answered it.
+        Never the accounts: any local process can post those (issue 35, item 7). Never
+        raises."""
+        seen = self._bodies(RECLAIMS_PATH, "releases_seen")
+        if seen is None:
             return None
         lives = []
-        for item in reclaims:
-            started, released = item.get("started_unix"), item.get("released_unix")
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                   for v in (started, released)):
-                lives.append(float(released) - float(started))  # type: ignore[arg-type]
+        for item in seen:
+            life = item.get("life_seconds")
+            if isinstance(life, (int, float)) and not isinstance(life, bool) and life > 0:
+                lives.append(float(life))
         return lives
 
     def send_event(self, event: Mapping[str, Any]) -> None:
