@@ -115,9 +115,21 @@ def default_lead(jobs: list[dict[str, Any]]) -> Optional[float]:
     return math.ceil(budget + max(5.0, 0.1 * budget))
 
 
+def lead_of(report: DrillReport) -> Optional[float]:
+    """How long before the drill deadline the checkpoint was durable, by the report's own
+    figures: its ``lead_seconds`` and, when it has them, ``remaining_seconds`` (at the
+    save) less ``durable_seconds`` (from the save), the smaller of the two. None: unknown."""
+    leads = [report.lead_seconds] if report.lead_seconds is not None else []
+    if report.remaining_seconds is not None and report.durable_seconds is not None:
+        leads.append(report.remaining_seconds - report.durable_seconds)
+    return min(leads) if leads else None
+
+
 def verdict_of(report: DrillReport, reason: Optional[str]) -> tuple[str, str]:
-    """(result, reason) for a guard's report."""
-    lead = report.lead_seconds
+    """(result, reason) for a guard's report: PASS only for a checkpoint durable by the
+    drill deadline, by every figure the report gives (a late one is a FAIL whatever the
+    guard called it)."""
+    lead = lead_of(report)
     if report.outcome == "durable" and lead is not None and lead >= 0:
         return "pass", f"durable {lead:.1f} s before the drill deadline"
     if report.outcome == "durable":

@@ -22,7 +22,7 @@ from typing import Any, Optional
 from sidecar.train.client import ENV_TOKEN, SidecarClient
 
 __all__ = ["EXIT_FAIL", "EXIT_NO_ANSWER", "EXIT_PASS", "EXIT_REFUSED", "EXIT_UNREACHABLE",
-           "cmd_drill", "describe_drill", "drill_request"]
+           "cmd_drill", "describe_drill", "drill_request", "exit_code", "late_seconds"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED, EXIT_NO_ANSWER, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 POLL_SECONDS = 0.5
@@ -58,27 +58,57 @@ def _seconds(value: Any) -> str:
     return "?" if not isinstance(value, (int, float)) else f"{value:.1f} s"
 
 
+def late_seconds(drill: dict[str, Any]) -> Optional[float]:
+    """How long after the drill deadline its checkpoint became durable, by the guard's
+    figures (``lead_seconds``; ``remaining_seconds`` less ``durable_seconds``); None when
+    it was durable in time or no figure says. A PASS with a late checkpoint is a FAIL here
+    whatever the daemon said (an older daemon counted it)."""
+    figures = drill.get("figures") or {}
+    lead, remaining, durable = (_number(figures.get(key)) for key in (
+        "lead_seconds", "remaining_seconds", "durable_seconds"))
+    leads = [x for x in (lead, None if remaining is None or durable is None
+                         else remaining - durable) if x is not None]
+    earliest = min(leads, default=None)
+    return None if earliest is None or earliest >= 0 else -earliest
+
+
+def _number(value: Any) -> Optional[float]:
+    """``value`` as seconds, None unless a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 def describe_drill(drill: dict[str, Any]) -> list[str]:
     """The verdict line and the figures behind it, from a drill of ``GET /v1/drill``."""
     verdict = drill.get("verdict") or drill.get("state") or "?"
     result = drill.get("result")
+    late = late_seconds(drill) if result is not None else None
     label = "FAIL: no answer" if result == "no-answer" else verdict
-    lines = [f"{drill.get('id')}: {label} - {drill.get('reason') or 'waiting for the job'}"]
+    reason = drill.get("reason") or "waiting for the job"
+    if result == "pass" and late is not None:
+        label, reason = "FAIL", f"durable {late:.1f} s after the drill deadline"
+    lines = [f"{drill.get('id')}: {label} - {reason}"]
     figures = drill.get("figures") or {}
     if figures:
         seconds = {key: _seconds(figures.get(key)) for key in (
-            "budget_seconds", "save_seconds", "upload_seconds", "durable_seconds",
-            "lead_seconds")}
+            "budget_seconds", "save_seconds", "upload_seconds", "durable_seconds")}
+        when = (f"{_seconds(figures.get('lead_seconds'))} before" if late is None
+                else f"{late:.1f} s after")
         lines.append(
             f"  step {figures.get('step', '?')}; budget planned {seconds['budget_seconds']}; "
             f"save {seconds['save_seconds']}, upload {seconds['upload_seconds']}, durable "
             f"{seconds['durable_seconds']} after the save started; "
-            f"{seconds['lead_seconds']} before the drill deadline "
+            f"{when} the drill deadline "
             f"(lead {_seconds(drill.get('lead_seconds'))}; job {figures.get('job', '?')})")
     return lines
 
 
-def _exit_for(drill: dict[str, Any]) -> int:
+def exit_code(drill: dict[str, Any]) -> int:
+    """The exit status for a decided drill: PASS only when the daemon said so and no figure
+    shows the checkpoint durable after the drill deadline."""
+    if drill.get("result") == "pass" and late_seconds(drill) is not None:
+        return EXIT_FAIL
     return {"pass": EXIT_PASS, "no-answer": EXIT_NO_ANSWER}.get(drill.get("result") or "",
                                                               EXIT_FAIL)
 
@@ -115,7 +145,7 @@ def _wait(url: str, started: dict[str, Any], timeout: float) -> int:
                 return EXIT_NO_ANSWER
             if mine.get("result") is not None:
                 print("\n".join(describe_drill(mine)))
-                return _exit_for(mine)
+                return exit_code(mine)
         if time.time() > give_up:
             print(f"{started['id']}: FAIL: no answer - no verdict from {url} by "
                   f"{WAIT_SLACK_SECONDS:.0f} s after the grace")

@@ -211,3 +211,47 @@ def test_the_default_lead_is_just_over_the_budget_and_a_stopped_job_is_no_job() 
     with pytest.raises(DrillRefused, match="give in_seconds"):
         board.start(None, real_deadline=None, jobs=[{**JOB[0], "budget_seconds": None}],
                     now=1000.0)
+
+
+def test_a_checkpoint_durable_after_the_drill_deadline_fails_whatever_the_guard_called_it(
+) -> None:
+    board = DrillBoard()
+    board.start(60.0, real_deadline=None, jobs=JOB, now=1000.0)
+    board.report(report("durable", lead_seconds=-2.0, remaining_seconds=3.0,
+                        durable_seconds=5.0), job="j:1", rank=0, step=7, reason=None,
+                 now=1062.0)
+    last = board.body(None, 1062.0)["drills"][0]
+    assert last["verdict"] == "FAIL" and last["result"] == "fail", last
+    assert last["reason"] == "durable 2.0 s after the drill deadline"
+    # A report whose lead says "in time" while its save says otherwise (3 s left at the
+    # save, durable 5 s after it): the later figure wins.
+    board.start(60.0, real_deadline=None, jobs=[{**JOB[0], "last_event_at_unix": 1062.0}],
+                now=1063.0)
+    board.report(DrillReport(id="drill-2", outcome="durable", lead_seconds=1.0,
+                             remaining_seconds=3.0, durable_seconds=5.0),
+                 job="j:1", rank=0, step=8, reason=None, now=1070.0)
+    last = board.body(None, 1070.0)["drills"][0]
+    assert last["verdict"] == "FAIL" and last["reason"] == "durable 2.0 s after the drill deadline"
+    # "durable" with no figure to judge it by is no PASS either.
+    board.start(60.0, real_deadline=None, jobs=[{**JOB[0], "last_event_at_unix": 1070.0}],
+                now=1071.0)
+    board.report(DrillReport(id="drill-3", outcome="durable"), job="j:1", rank=0, step=9,
+                 reason=None, now=1080.0)
+    assert board.body(None, 1080.0)["drills"][0]["verdict"] == "FAIL"
+    assert board.body(None, 1080.0)["counts"]["pass"] == 0
+
+
+def test_the_daemon_fails_a_late_durable_report_sent_over_http() -> None:
+    with serve_daemon(**static(3600)) as daemon:
+        a_job_trains(daemon.url)
+        assert post(daemon.url + "/v1/drill", {"in_seconds": 30})[0] == 201
+        late = {"kind": "drill", "job": "trainer:1", "step": 41, "drill": {
+            "id": "drill-1", "outcome": "durable", "save_seconds": 1.5,
+            "upload_seconds": 31.0, "durable_seconds": 32.5, "lead_seconds": -2.5,
+            "remaining_seconds": 30.0}}
+        assert post(daemon.url + "/v1/events", late)[0] == 202
+        last = get_json(daemon.url + "/v1/drill")[1]["drills"][0]
+        assert last["verdict"] == "FAIL" and last["result"] == "fail", last
+        assert last["reason"] == "durable 2.5 s after the drill deadline"
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as response:
+            assert 'esi_sidecar_drills_total{result="pass"} 0.0' in response.read().decode()
