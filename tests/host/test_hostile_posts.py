@@ -65,11 +65,16 @@ def test_fifty_forged_release_accounts_do_not_move_the_mean_time_between_reclaim
     deadline = time.time() + 2.0
     with serve_daemon(sources=("static",), expires_at=format_rfc3339(deadline)) as daemon:
         client = SidecarClient(daemon.url, timeout=5)
-        # The release the daemon saw itself: its own source's deadline came.
-        honest = wait_for(lambda: client.machine_lives(), timeout=30, interval=0.2)
-        mean = measured_reclaim_every(honest, SIX_HOURS)
-        interval = routine_interval(client)
+        # The release comes; the honest job stops for it.
+        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["remaining_seconds"] <= 0,
+                 timeout=30, interval=0.1)
         now = time.time()
+        assert post(daemon.url, "/v1/events", forged_release("honest", now, 30.0))[0] == 202
+        wait_for(lambda: get_json(daemon.url + "/v1/reclaims")[1]["count"] == 1
+                 and client.machine_lives(), timeout=30, interval=0.2)
+        honest = client.machine_lives()
+        mean = measured_reclaim_every(honest or [], SIX_HOURS)
+        interval = routine_interval(client)
         for index in range(25):  # long lives (the mean up) and short ones (down)
             events = forged_release(f"forged-long-{index}", now, 86_000.0)
             assert post(daemon.url, "/v1/events", events)[0] == 202
