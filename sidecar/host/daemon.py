@@ -115,7 +115,7 @@ def build_daemon(settings: Settings) -> Daemon:
         budget=None if rate is None else ApiBudget(rate),
         traits=traits_of(source.name for source in sources),
     )
-    uploader = _build_uploader(settings, store) if settings.upload_to is not None else None
+    uploader = _build_uploader(settings, store, state) if settings.upload_to is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
     protection = ProtectionBoard(
         store, notice_table({s.name: s.notice_seconds for s in specs()}, settings.notices),
@@ -174,7 +174,7 @@ def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
     return expiry.source, expiry.expires_at_unix
 
 
-def _build_uploader(settings: Settings, store: Store) -> Any:
+def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Any:
     """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
     a daemon without upload settings never loads boto3."""
     try:
@@ -182,6 +182,7 @@ def _build_uploader(settings: Settings, store: Store) -> Any:
         from sidecar.host.upload.storage import StorageConfig
         from sidecar.host.upload.uploader import Uploader, UploaderConfig
         from sidecar.host.upload.volume import VolumeDestination
+        from sidecar.host.upload.volume_section import VolumeSection
     except ImportError as exc:  # a [server]-only install (or image) given upload settings
         raise ConfigError(
             f"--upload-to needs the [upload] extra ({exc.name or exc} is not installed): "
@@ -202,6 +203,8 @@ def _build_uploader(settings: Settings, store: Store) -> Any:
         scan_interval_seconds=settings.upload_scan_interval,
     )
     volume = VolumeDestination(where, storage.max_bandwidth) if isinstance(where, Path) else None
+    if volume is not None:  # its identity survives a restart (issue 35, item 8)
+        state.add(VolumeSection(volume.identity, on_change=state.write))
     return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
 
 

@@ -11,11 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -110,3 +106,119 @@ def test_a_committed_file_shared_by_two_checkpoints_is_never_written_again(
     assert fingerprint(shared) == before
     assert (volume / "step_00000002" / "frozen.bin").read_bytes() == frozen
     assert latest_valid(volume, verify_checksums=True).step == 2  # type: ignore[union-attr]
+
+
+def test_a_marker_overwritten_in_place_is_written_back_and_uploads_go_on(
+    tmp_path: Path,
+) -> None:
+    """Item 3: one write over ``.esi-sidecar-volume`` (what the uploader's pin once wrote
+    there) does not stop uploads for good: on the very mount the daemon confirmed, the
+    marker is written back from memory, read-only."""
+    local, volume = tmp_path / "local", tmp_path / "volume"
+    local.mkdir()
+    volume.mkdir()
+    destination = VolumeDestination(volume)
+    destination.prepare(time.time())
+    commit(destination, save(local, 1, {"w.bin": os.urandom(KIB)}))
+    marker = volume / VOLUME_MARKER
+    known = marker.read_bytes()
+    marker.write_text(f"esi-sidecar uploader pid={os.getpid()}\n")  # root ignores modes
+    commit(destination, save(local, 2, {"w.bin": os.urandom(KIB)}))
+    assert marker.read_bytes() == known
+    assert stat.S_IMODE(os.lstat(marker).st_mode) == 0o444
+    assert latest_valid(volume).step == 2  # type: ignore[union-attr]
+
+
+def test_a_folder_swapped_for_another_volumes_is_not_durable(tmp_path: Path) -> None:
+    """Issue 41: the marker check itself, not the missing marker, refuses a folder that
+    another volume (with its own marker) took the place of, on the same file system."""
+    local, volume, other = tmp_path / "local", tmp_path / "volume", tmp_path / "other"
+    for folder in (local, volume, other):
+        folder.mkdir()
+    destination = VolumeDestination(volume)
+    destination.prepare(time.time())
+    commit(destination, save(local, 1, {"w.bin": os.urandom(KIB)}))
+    elsewhere = VolumeDestination(other)
+    elsewhere.prepare(time.time())
+    commit(elsewhere, save(local, 2, {"w.bin": os.urandom(KIB)}))  # other's own marker
+    volume.rename(tmp_path / "volume-away")
+    other.rename(volume)
+    with pytest.raises(Exception, match=f"its {VOLUME_MARKER} names another volume"):
+        commit(destination, save(local, 3, {"w.bin": os.urandom(KIB)}))
+    assert sorted(p.name for p in volume.iterdir()) == [VOLUME_MARKER, "step_00000002"]
+
+
+# ---------------------------------------------------------------- across a restart
+
+
+def daemon_settings(local: Path, volume: Path, state: Path) -> dict[str, Any]:
+    return {"sources": ("static",), "expires_at": str(time.time() + 3600),
+            "upload_from": local, "upload_to": volume.as_uri(), "upload_scan_interval": 0.1,
+            "state_file": state}
+
+
+def uploads(url: str) -> dict[str, Any]:
+    status, body = get_json(url + "/v1/uploads")
+    assert status == 200
+    return body
+
+
+def test_a_daemon_restarted_while_its_volume_is_missing_refuses_the_empty_place(
+    tmp_path: Path,
+) -> None:
+    """Item 8: the volume is gone (its mount point an empty folder, no marker) when the
+    daemon starts again. It remembers the volume, so it refuses, says why in
+    ``/v1/uploads`` and ``/healthz``, writes nothing there, and goes on once it is back."""
+    local, volume, state = tmp_path / "local", tmp_path / "mnt", tmp_path / "state.json"
+    local.mkdir()
+    volume.mkdir()
+    save(local, 1, {"w.bin": os.urandom(KIB)})
+    with serve_daemon(**daemon_settings(local, volume, state)) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+    marker_id = (volume / VOLUME_MARKER).read_text().split()[-1]
+    kept = json.loads(state.read_text())["volume"][str(volume)]
+    assert kept["volume_id"] == marker_id and kept["device"] == os.stat(volume).st_dev
+
+    volume.rename(tmp_path / "mnt-unmounted")
+    volume.mkdir()  # what an unmount leaves: the empty mount-point folder
+    save(local, 2, {"w.bin": os.urandom(KIB)})
+    with serve_daemon(**daemon_settings(local, volume, state)) as daemon:
+        wait_for(lambda: uploads(daemon.url)["degraded"], timeout=30)
+        error = uploads(daemon.url)["error"]
+        assert error.endswith(f"destination {volume} is not the volume it was: not mounted? "
+                              f"(its {VOLUME_MARKER} is missing; the daemon's volume has id "
+                              f"{marker_id[:8]}..., kept in its state file)"), error
+        health = get_json(daemon.url + "/healthz")[1]
+        assert health["uploads"]["error"] == error
+        assert uploads(daemon.url)["last_durable_step"] is None  # nothing called durable
+    assert list(volume.iterdir()) == []  # not a byte on the host's own disk
+    assert json.loads(state.read_text())["volume"][str(volume)]["volume_id"] == marker_id
+
+    volume.rmdir()
+    (tmp_path / "mnt-unmounted").rename(volume)  # mounted again
+    with serve_daemon(**daemon_settings(local, volume, state)) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        wait_for(lambda: client.last_durable_step() == 2, timeout=30)
+
+
+def test_a_daemon_restarted_on_another_volume_refuses_it(tmp_path: Path) -> None:
+    """Issue 41: after a restart, another volume with its own marker in the volume's
+    place is refused by the marker check (the restarted daemon remembers the id)."""
+    local, volume, state = tmp_path / "local", tmp_path / "mnt", tmp_path / "state.json"
+    other = tmp_path / "other"
+    for folder in (local, volume, other):
+        folder.mkdir()
+    save(local, 1, {"w.bin": os.urandom(KIB)})
+    with serve_daemon(**daemon_settings(local, volume, state)) as daemon:
+        client = SidecarClient(daemon.url, timeout=5)
+        wait_for(lambda: client.last_durable_step() == 1, timeout=30)
+    elsewhere = VolumeDestination(other)
+    elsewhere.prepare(time.time())
+    elsewhere.identity.confirm()  # another volume: a marker of its own
+    volume.rename(tmp_path / "mnt-away")
+    other.rename(volume)
+    with serve_daemon(**daemon_settings(local, volume, state)) as daemon:
+        wait_for(lambda: uploads(daemon.url)["degraded"], timeout=30)
+        assert f"its {VOLUME_MARKER} names another volume" in uploads(daemon.url)["error"]
+    assert [p.name for p in volume.iterdir()] == [VOLUME_MARKER]
