@@ -114,6 +114,28 @@ def test_a_release_known_ahead_is_protected() -> None:
         assert body["sources"][0]["notice_seconds"] is None
 
 
+def test_the_top_level_protected_holds_while_a_verdict_is_unknown_and_falls_with_one_not(
+        gce: GcpMetadataEmulator) -> None:
+    # docs/protection.md: ``protected`` is false when any source is not protected; a
+    # verdict still unknown (no save time from the job yet) is no such source.
+    with serve_daemon(sources=("static", "gcp"), expires_at="2030-01-01T00:00:00Z",
+                      gcp_metadata_url=gce.url) as daemon:
+
+        def statuses() -> dict[str, str]:
+            body = get_json(daemon.url + "/v1/protection")[1]
+            return {v["source"]: v["status"] for v in body["sources"]}
+
+        wait_for(lambda: statuses().keys() == {"static", "gcp"})
+        body = get_json(daemon.url + "/v1/protection")[1]
+        assert statuses() == {"static": "protected", "gcp": "unknown"}, body
+        assert body["protected"] is True, body
+        report_a_60_s_save(daemon.url)
+        wait_for(lambda: statuses()["gcp"] != "unknown")
+        body = get_json(daemon.url + "/v1/protection")[1]
+        assert statuses() == {"static": "protected", "gcp": "not-protected"}, body
+        assert body["protected"] is False, body
+
+
 @pytest.mark.parametrize("value", ["gcp", "gcp=abc", "gcp=0", "gcp=-1", "gcp=inf", "nope=30",
                                    "auto=30"])
 def test_a_nonsense_notice_stops_start_up_naming_the_setting(value: str) -> None:
