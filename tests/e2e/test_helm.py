@@ -119,7 +119,8 @@ def test_helm_lint_passes_strict(helm: str, values: tuple[str, ...]) -> None:
 def test_the_default_render_is_the_manifests_pod(helm: str) -> None:
     documents = render(helm)
     kinds = by_kind(documents)
-    assert sorted(kinds) == ["DaemonSet", "Secret"]  # no monitoring objects by default
+    # No monitoring objects by default, and no token Secret: the chart never makes one up.
+    assert sorted(kinds) == ["DaemonSet"]
     validate_kubernetes(documents)
     (daemonset,) = kinds["DaemonSet"]
     plain = manifest_daemonset()
@@ -141,13 +142,24 @@ def test_the_default_render_is_the_manifests_pod(helm: str) -> None:
     (plain_container,) = plain_pod["containers"]
     assert container["image"] == f"esi-sidecar:{sidecar.__version__}"
 
-    # The token the chart made is the Secret the pod reads.
-    (token,) = kinds["Secret"]
-    ref = {item["name"]: item for item in container["env"]}["ESI_SIDECAR_TOKEN"]
-    assert ref["valueFrom"]["secretKeyRef"] == {"name": token["metadata"]["name"], "key": "token"}
-    assert token["metadata"]["name"] == "esi-sidecar-token"  # as the manifest names it
-    assert len(secret_value(token, "token")) == 32
+    # The pod reads the Secret the user made, named as the manifest names it; writes need
+    # the token from loopback too (hostNetwork shares the node's loopback with every pod).
+    env = {item["name"]: item for item in container["env"]}
+    assert env["ESI_SIDECAR_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "esi-sidecar-token", "key": "token"}
+    assert pod["hostNetwork"] is True
+    assert env["ESI_SIDECAR_WRITES_NEED_TOKEN"]["value"] == "true"
     assert container == plain_container  # every field, the image included
+
+
+def test_a_render_is_the_same_every_time_and_generates_no_token(helm: str) -> None:
+    """GitOps renders the chart again and again: nothing in it may change between renders
+    (issue 35: a token from lookup / randAlphaNum changed on every `helm template`)."""
+    for values in ((), ("token.value=given-token-0123456789",), ("token.existingSecret=mine",)):
+        assert render(helm, *values) == render(helm, *values)
+    for template in (CHART / "templates").iterdir():
+        text = template.read_text()
+        assert "lookup " not in text and "randAlpha" not in text, template.name
 
 
 def test_monitoring_and_an_existing_token_secret(helm: str, tmp_path: Path) -> None:
