@@ -10,7 +10,7 @@ VERL   := $(VENV)/.installed-verl
 # The verl releases the tests run against (tests/integrations/test_integration_verl_wheels.py).
 VERL_VERSIONS := 0.9.1 0.8.0
 
-.PHONY: demo test lint bench clean helm
+.PHONY: demo test test-fast lint bench clean helm
 
 $(SERVER): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,8 +44,19 @@ helm:
 demo: $(SERVER)
 	$(BIN)/esi-sidecar demo
 
+# The tiers (docs/contributing.md): the fast one answers in about a minute while you work;
+# `make test` runs every test, the fast ones first, on the parallel runner. The tests of one
+# xdist_group (a Slurm cluster, the image build, Ray) run on one worker (tests/conftest.py).
+FAST    := -m "not e2e and not slow and not frameworks"
+WORKERS ?= 4
+PYTEST  := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -p xdist --dist loadgroup
+
+test-fast: $(ALL)
+	$(PYTEST) -n 2 $(FAST)
+
 test: $(ALL) $(VERL)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q
+	$(PYTEST) -n $(WORKERS) $(FAST)
+	$(PYTEST) -n $(WORKERS) -m "e2e or slow or frameworks"
 
 lint: $(ALL) $(VERL)
 	$(BIN)/ruff check sidecar tests benchmarks examples tools

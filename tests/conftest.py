@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import sys
@@ -13,27 +12,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
-def _loopback_only(connect: Any) -> Any:
-    """socket.connect that refuses any address off this machine: the tests talk to
-    loopback only, and a default that probes a cloud's metadata address (169.254.169.254)
-    must fail here loudly instead of sending a packet."""
+from loopback_guard import install as install_loopback_guard  # noqa: E402
 
-    def guarded(sock: socket.socket, address: Any) -> Any:
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
-            host = address[0]
-            try:
-                loopback = ipaddress.ip_address(host.split("%")[0]).is_loopback
-            except ValueError:
-                loopback = host == "localhost"
-            if not loopback:
-                raise OSError(f"tests may reach loopback only, not {host!r}")
-        return connect(sock, address)
+# Every connection beyond loopback is refused, here and in every process a test starts
+# (tests/support/loopback_guard.py).
+install_loopback_guard()
 
-    return guarded
-
-
-socket.socket.connect = _loopback_only(socket.socket.connect)  # type: ignore[method-assign]
-socket.socket.connect_ex = _loopback_only(socket.socket.connect_ex)  # type: ignore[method-assign]
+# A closed loopback port: bound, never listening, held for the whole session, so a connect
+# is refused at once and nothing else can take it.
+_CLOSED = socket.socket()
+_CLOSED.bind(("127.0.0.1", 0))
+CLOSED_URL = f"http://127.0.0.1:{_CLOSED.getsockname()[1]}"
+# Every metadata service and cloud API a daemon could reach by default points at it, so a
+# daemon or example started with the default `--source auto` probes nothing real (a test
+# that wants a stand-in passes its own URL, and a flag wins over these).
+METADATA_URL_SETTINGS = ("ESI_SIDECAR_METADATA_URL", "ESI_SIDECAR_AWS_IMDS_URL",
+                         "ESI_SIDECAR_GCP_METADATA_URL", "ESI_SIDECAR_AZURE_METADATA_URL")
+for _name in METADATA_URL_SETTINGS:
+    os.environ[_name] = CLOSED_URL
 
 # The machine's own cloud credentials never reach a test (or a daemon it starts): a test
 # that wants credentials sets them itself, so one that must run without them cannot pick
@@ -49,6 +45,45 @@ os.environ["AWS_CONFIG_FILE"] = os.devnull
 # kernel feature, not an install step.
 FAIL_ON_SKIP = "SIDECAR_TESTS_FAIL_ON_SKIP"
 ALLOWED_SKIPS = ("cannot boot systemd in namespaces here",)
+
+
+# The tiers (STYLE.md, "Tests in tiers"): markers by folder and module, so the fast tier is
+# `-m "not e2e and not slow and not frameworks"` (`make test-fast`).
+TESTS = Path(__file__).parent
+# A minute or more each, or a cluster, an image build or a release of a framework.
+SLOW_MODULES = frozenset({
+    "e2e/test_image.py",                             # builds the container image (podman)
+    "e2e/test_slurm.py",                             # a real Slurm cluster
+    "host/sources/test_source_slurm.py",
+    "train/test_slurm_deadline.py",
+    "integrations/test_integration_ray_drain.py",    # Ray clusters
+    "integrations/test_integration_ray_nodes.py",
+    "integrations/test_integration_verl_wheels.py",  # two verl releases
+})
+# Under the parallel runner (`-n`, `--dist loadgroup`) the tests of one group run on one
+# worker, one after another: a group shares something that two workers must not use at once.
+SERIAL_GROUPS = {
+    "e2e/test_image.py": "image",                    # one image build and its podman storage
+    "e2e/test_slurm.py": "slurm",                    # munged, slurmctld and slurmd: the host's
+    "host/sources/test_source_slurm.py": "slurm",    # hostname is the one node name
+    "train/test_slurm_deadline.py": "slurm",
+    "integrations/test_integration_ray_drain.py": "ray",  # Ray clusters: the CPU of 2 cores
+    "integrations/test_integration_ray_nodes.py": "ray",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            relative = Path(str(item.fspath)).relative_to(TESTS).as_posix()
+        except ValueError:
+            continue
+        if relative.startswith("e2e/"):
+            item.add_marker(pytest.mark.e2e)
+        if relative in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if relative in SERIAL_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS[relative]))
 
 
 @pytest.fixture
