@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
-from loopback_guard import install as install_loopback_guard  # noqa: E402
+from loopback_guard import install as install_loopback_guard
 
 # Every connection beyond loopback is refused, here and in every process a test starts
 # (tests/support/loopback_guard.py).
