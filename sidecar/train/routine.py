@@ -16,8 +16,9 @@ measures (``SavePolicy.save_estimate()``, x1.2 included). The upload is not coun
 daemon's uploader runs beside training and costs it nothing (it only delays when the
 checkpoint is durable, which shifts the expected loss, not the optimum, to first order).
 The mean time between reclaims is :data:`DEFAULT_RECLAIM_EVERY_SECONDS` for the source,
-or, once the daemon accounted releases (``GET /v1/reclaims``), the measured one
-(:func:`measured_reclaim_every`). Several exposed sources add their rates.
+or, once the daemon saw releases itself (``releases_seen`` in ``GET /v1/reclaims``; never
+the posted accounts), the measured one (:func:`measured_reclaim_every`). Several exposed
+sources add their rates.
 
 The automatic interval has a floor, :func:`routine_floor_seconds`: at least
 :data:`FLOOR_SAVES` x the save and at least :data:`FLOOR_SECONDS`. Young's form is a first
