@@ -49,9 +49,16 @@ class Approver:
         self._sources = sources
         self._durable_appeared_after = durable_appeared_after
         self._said_no_uploader = False
+        #: Rounds (``check_once`` calls) completed: a test waits on it, never on a clock.
+        self.rounds = 0
 
     def check_once(self) -> list[str]:
         """Approve what may be approved now; return the approved event ids."""
+        approved = self._check()
+        self.rounds += 1
+        return approved
+
+    def _check(self) -> list[str]:
         approved: list[str] = []
         for source in self._sources():
             pending = source.pending()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_harness import get_json, serve_daemon, wait_for
+from daemon_harness import RunningDaemon, get_json, serve_daemon, wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint
 from sidecar.checkpoint.manifest import MANIFEST_NAME
@@ -43,6 +43,15 @@ def save_dated_ahead(root: Path, step: int) -> None:
     os.rename(committed, root / saving.name)
 
 
+def two_rounds(daemon: RunningDaemon) -> None:
+    """Wait (bounded) until the approver has completed two rounds from now: the first may
+    have begun before the event was pending, the second began after it was."""
+    approver = daemon.daemon.approver
+    assert approver is not None
+    start = approver.rounds
+    wait_for(lambda: approver.rounds >= start + 2, timeout=30)
+
+
 def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
         tmp_path: Path) -> None:
     local, volume = tmp_path / "local", tmp_path / "volume"
@@ -56,7 +65,7 @@ def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
         wait_for(lambda: client.last_durable_step() == 1, timeout=30)
         event = azure.schedule("Preempt", 60)
         wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
-        time.sleep(2.5)  # two approver rounds: the old checkpoint is not enough
+        two_rounds(daemon)  # the old checkpoint is not enough
         assert azure.approved == []
         save(local, 2)
         wait_for(lambda: azure.approved == [event], timeout=30)
@@ -80,7 +89,7 @@ def test_a_checkpoint_dated_ahead_but_saved_before_the_event_is_not_enough(
         wait_for(lambda: client.last_durable_step() == 1, timeout=30)
         event = azure.schedule("Preempt", 60)
         wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
-        time.sleep(2.5)  # two approver rounds: a time written by the job is not enough
+        two_rounds(daemon)  # a time written by the job is not enough
         assert azure.approved == []
         save(local, 2)  # appears after the event, becomes durable: now it is safe
         wait_for(lambda: azure.approved == [event], timeout=30)
@@ -104,7 +113,7 @@ def test_after_a_restart_the_checkpoints_already_there_are_older_than_any_event(
             event = azure.schedule("Preempt", 60)
             wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"]
                      == "preemption-notice")
-            time.sleep(2.5)  # two approver rounds
+            two_rounds(daemon)  # what was there at start is not enough
             assert azure.approved == []
             save(local, 2)
             wait_for(lambda: azure.approved == [event], timeout=30)
@@ -118,7 +127,7 @@ def test_without_an_uploader_nothing_is_approved_and_it_is_said_once(
         azure.schedule("Preempt", 60)
         wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
         wait_for(lambda: any("needs the uploader" in r.getMessage() for r in caplog.records))
-        time.sleep(2.5)
+        two_rounds(daemon)  # and said no more
     assert azure.approved == []
     said = [r for r in caplog.records if "needs the uploader" in r.getMessage()]
     assert len(said) == 1
@@ -135,6 +144,5 @@ def test_approval_is_off_unless_asked(tmp_path: Path) -> None:
         wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
         save(local, 1)
         wait_for(lambda: SidecarClient(daemon.url).last_durable_step() == 1, timeout=30)
-        assert daemon.daemon.approver is None
-        time.sleep(1.5)
+        assert daemon.daemon.approver is None  # no rounds to wait for: none can approve
     assert azure.approved == []
