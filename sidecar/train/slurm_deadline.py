@@ -2,14 +2,16 @@
 rank, at most once a minute, in a background thread.
 
 Standard library only. Inside a Slurm job (``SLURM_JOB_ID`` set) the guard asks
-``scontrol show job -o $SLURM_JOB_ID`` itself while no daemon answers; with a reducer only
+``squeue -h -t all -j $SLURM_JOB_ID`` itself, in a fixed format with no field the job can
+write (``sidecar.slurmtext.JOB_FORMAT``: a job's name cannot forge its end as it can in
+``scontrol show job -o``), while no daemon answers; with a reducer only
 rank 0 (``$RANK``, else ``$SLURM_PROCID``) asks, and the other ranks learn the end through
 the vote (the remaining time is combined with MIN), so a job of 512 ranks costs
 slurmctld one call a minute, not 512 a second. The call runs in a thread and is killed
 after ``COMMAND_SECONDS``: a slurmctld that is down or slow never holds a training step.
 A failure keeps the last known end and logs one line per change of error.
 
-Times: scontrol prints local times without an offset; it runs here under ``TZ=UTC`` and
+Times: Slurm prints local times without an offset; it runs here under ``TZ=UTC`` and
 ``SLURM_TIME_FORMAT=standard``, so its times are read as UTC with nothing guessed.
 ``scontrol update JobId=.. TimeLimit=+5`` moves ``EndTime`` later: at the next ask the
 guard sees the release move later and training resumes (a renewal).
@@ -30,14 +32,20 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from sidecar.slurmtext import RUNNING_STATES, parse_end_time, parse_record, run_command
+from sidecar.slurmtext import (
+    job_query,
+    parse_end_time,
+    parse_job_rows,
+    parse_record,
+    run_command,
+)
 from sidecar.train.sigterm import SigtermDeadline
 
 __all__ = ["ASK_SECONDS", "COMMAND_SECONDS", "SlurmDeadline", "job_rank", "with_slurm"]
 
 logger = logging.getLogger("sidecar.train.guard")
 
-ASK_SECONDS = 60.0  # at most one scontrol call a minute per job
+ASK_SECONDS = 60.0  # at most one squeue call a minute per job
 COMMAND_SECONDS = 10.0
 
 
@@ -73,7 +81,7 @@ class SlurmDeadline:
         self._next_ask: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
         self._said: Optional[str] = None
-        #: scontrol calls made (the cost, docs/sources.md).
+        #: Slurm client calls made (the cost, docs/sources.md).
         self.calls = 0
 
     @classmethod
@@ -115,14 +123,18 @@ class SlurmDeadline:
     def ask(self) -> None:
         """Ask slurmctld once (in the calling thread); never raises."""
         try:
-            fields = parse_record(self._scontrol("show", "job", "-o", self.job_id))
-            if "JobId" not in fields:
-                raise ValueError("no JobId in scontrol's answer")
-            running = fields.get("JobState") in RUNNING_STATES
-            end = parse_end_time(fields.get("EndTime", "")) if running else self._end
-            if not self._asked_partition and fields.get("Partition"):
+            rows = parse_job_rows(self._command(job_query(self.job_id)))
+            if not rows:
+                raise ValueError("no line in squeue's answer")
+            # An array's or heterogeneous job's id prints a row per part: the earliest end.
+            running = [row for row in rows if row.running]
+            ends = [parse_end_time(row.end) for row in running]
+            known = [end for end in ends if end is not None]
+            end = (min(known) if known else None) if running else self._end
+            first = (running or rows)[0]
+            if not self._asked_partition and first.partition:
                 self._asked_partition = True
-                self._read_grace(fields["Partition"])
+                self._read_grace(first.partition)
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             self._say(f"Slurm job {self.job_id}: cannot read its end time ({_one_line(exc)}); "
                       "the last known one is kept", logging.WARNING)
@@ -131,22 +143,22 @@ class SlurmDeadline:
             self._end = end
             when = "no time limit" if end is None else \
                 f"ends at {datetime.fromtimestamp(end, timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
-            self._say(f"Slurm job {self.job_id} {when} (time limit "
-                      f"{fields.get('TimeLimit', '?')})", logging.INFO)
+            self._say(f"Slurm job {self.job_id} {when} (time limit {first.time_limit})",
+                      logging.INFO)
 
     def _read_grace(self, partition: str) -> None:
         try:
-            grace = parse_record(self._scontrol("show", "partition", "-o", partition)
-                                 ).get("GraceTime", "")
+            grace = parse_record(self._command(["scontrol", "show", "partition", "-o",
+                                                partition])).get("GraceTime", "")
         except (OSError, subprocess.SubprocessError, ValueError):
             return  # the time limit matters more; GraceTime is a refinement
         if grace.isdigit() and int(grace) > 0:
             self.grace_seconds = float(grace)
 
-    def _scontrol(self, *args: str) -> str:
+    def _command(self, command: list[str]) -> str:
         self.calls += 1
         try:
-            done = self._run(["scontrol", *args], self._command_seconds)
+            done = self._run(command, self._command_seconds)
         except subprocess.TimeoutExpired:
             raise ValueError(f"no answer within {self._command_seconds:g} s") from None
         if done.returncode != 0:

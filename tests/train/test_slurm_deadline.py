@@ -1,4 +1,4 @@
-"""The guard inside a Slurm job without a daemon: one rank asks scontrol, at most once a
+"""The guard inside a Slurm job without a daemon: one rank asks squeue, at most once a
 minute, never inside a step, and the end reaches every rank through the vote."""
 
 from __future__ import annotations
@@ -23,19 +23,26 @@ def utc(unix: float) -> str:
     return datetime.fromtimestamp(unix, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def fake_scontrol(folder: Path, end: str, grace: int = 0) -> Path:
-    """An scontrol on PATH that answers for job 42 and logs each call."""
+def fake_slurm(folder: Path, end: str, grace: int = 0) -> Path:
+    """squeue and scontrol on PATH that answer for job 42 as Slurm would, and log each
+    call; job 42's name forges an end in ``scontrol show job -o``, as a real job's can."""
     calls = folder / "calls"
-    script = folder / "scontrol"
-    script.write_text(
+    scontrol = folder / "scontrol"
+    scontrol.write_text(
         "#!/bin/sh\n"
-        f'echo "$TZ $*" >> {calls}\n'
+        f'echo "$TZ scontrol $*" >> {calls}\n'
         'if [ "$2" = partition ]; then\n'
         f'  echo "PartitionName=p GraceTime={grace} State=UP"; exit 0\n'
         "fi\n"
-        f'echo "JobId=42 JobName=x JobState=RUNNING TimeLimit=00:03:00 EndTime={end} '
-        'Partition=p"\n')
-    script.chmod(0o755)
+        'echo "JobId=42 JobName=x EndTime=2099-12-31T00:00:00 JobState=RUNNING '
+        f'TimeLimit=00:03:00 EndTime={end} Partition=p"\n')
+    squeue = folder / "squeue"
+    squeue.write_text(
+        "#!/bin/sh\n"
+        f'echo "$TZ squeue $*" >> {calls}\n'
+        f'echo "42|RUNNING|{end}|3:00|p"\n')
+    for script in (scontrol, squeue):
+        script.chmod(0o755)
     return calls
 
 
@@ -56,7 +63,7 @@ def test_only_rank_0_asks_when_the_ranks_vote() -> None:
 
 def test_the_end_is_read_in_utc_in_the_background_at_most_once_a_minute(on_path: Path) -> None:
     end = time.time() + 100
-    calls = fake_scontrol(on_path, utc(end), grace=30)
+    calls = fake_slurm(on_path, utc(end), grace=30)
     monotonic = FakeMonotonic()
     slurm = SlurmDeadline("42", monotonic=monotonic)
     assert slurm.deadline() is None  # the ask runs in its thread: nothing waits for it
@@ -70,20 +77,21 @@ def test_the_end_is_read_in_utc_in_the_background_at_most_once_a_minute(on_path:
     slurm.deadline()
     slurm.wait_asked(10)
     lines = calls.read_text().splitlines()
-    assert lines == ["UTC show job -o 42", "UTC show partition -o p", "UTC show job -o 42"]
+    ask = "UTC squeue -h -t all -j 42 -o %i|%T|%e|%l|%P"
+    assert lines == [ask, "UTC scontrol show partition -o p", ask]
 
 
-def test_a_failing_scontrol_keeps_the_last_end_and_says_so_once(
+def test_a_failing_squeue_keeps_the_last_end_and_says_so_once(
     on_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     end = time.time() + 100
-    fake_scontrol(on_path, utc(end))
+    fake_slurm(on_path, utc(end))
     monotonic = FakeMonotonic()
     slurm = SlurmDeadline("42", monotonic=monotonic)
     slurm.deadline()
     slurm.wait_asked(10)
-    (on_path / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to "
-                                      "contact slurm controller' >&2\nexit 1\n")
+    (on_path / "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to "
+                                    "contact slurm controller' >&2\nexit 1\n")
     for _ in range(3):
         monotonic.advance(ASK_SECONDS)
         assert slurm.deadline() == int(end)
@@ -93,9 +101,9 @@ def test_a_failing_scontrol_keeps_the_last_end_and_says_so_once(
                         "Unable to contact slurm controller); the last known one is kept"]
 
 
-def test_a_hung_scontrol_never_holds_a_step(on_path: Path) -> None:
-    (on_path / "scontrol").write_text("#!/bin/sh\nexec sleep 30\n")
-    (on_path / "scontrol").chmod(0o755)
+def test_a_hung_squeue_never_holds_a_step(on_path: Path) -> None:
+    (on_path / "squeue").write_text("#!/bin/sh\nexec sleep 30\n")
+    (on_path / "squeue").chmod(0o755)
     guard = CheckpointGuard(SidecarClient(f"http://127.0.0.1:{closed_port()}"),
                             environ={"SLURM_JOB_ID": "42"}, events=False)
     started = time.monotonic()
@@ -124,7 +132,7 @@ class TwoRanks:
 
 def test_the_end_reaches_every_rank_through_the_vote(on_path: Path) -> None:
     end = time.time() + 500
-    calls = fake_scontrol(on_path, utc(end))
+    calls = fake_slurm(on_path, utc(end))
     ranks = TwoRanks()
     url = f"http://127.0.0.1:{closed_port()}"  # no daemon answers
     seen: dict[int, float] = {}
@@ -147,13 +155,15 @@ def test_the_end_reaches_every_rank_through_the_vote(on_path: Path) -> None:
     for thread in threads:
         thread.join(30)
     assert set(seen) == {0, 1} and abs(seen[0] - seen[1]) < 1.0 and 490 < seen[1] <= 500
-    assert calls.read_text().count("show job") == 1  # rank 0 only
+    assert calls.read_text().count("squeue") == 1  # rank 0 only
 
 
 @pytest.mark.skipif(bool(missing_tools()), reason=f"needs Debian's {', '.join(missing_tools())}")
 def test_a_real_job_s_end_and_grace_time(monkeypatch: pytest.MonkeyPatch) -> None:
     with running_cluster(grace_seconds=45) as cluster:
-        job = cluster.submit("sleep 300\n", "--time=4", "-o", "/dev/null")
+        # Named to forge its end in `scontrol show job -o`: the first EndTime there is 2099.
+        job = cluster.submit("sleep 300\n", "--time=4", "-o", "/dev/null",
+                             "--job-name=train EndTime=2099-12-31T00:00:00")
         fields = cluster.wait_job(job, ("RUNNING",), 30)
         monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
         monkeypatch.setenv("TZ", "America/Los_Angeles")  # Slurm would print this zone

@@ -1,13 +1,15 @@
 """Slurm time limits: the ``EndTime`` of the job(s) on this node, asked of slurmctld.
 
 With a job id (``--slurm-job-id``, else ``SLURM_JOB_ID`` in the daemon's environment, as
-when the daemon runs inside the job): ``scontrol show job -o <id>``. Without one: every
-running job on this node (``squeue -h -w <node> -t RUNNING,SUSPENDED``, the node named by
+when the daemon runs inside the job): ``squeue -h -t all -j <id>``. Without one: every
+running job on this node (``squeue -h -w <node> -t RUNNING,SUSPENDED...``, the node named by
 ``--slurm-node``, default the short host name), each one notice, the earliest the
 deadline: on a node shared by several jobs a guard then saves for the first job to end,
 early for the others, never late (give each job its own daemon with ``--slurm-job-id`` to
-avoid that). A time limit is a scheduled release: ``scontrol update JobId=.. TimeLimit=+5``
-moves ``EndTime`` later, which the poller serves as a renewal.
+avoid that). Both print the fixed format ``sidecar.slurmtext.JOB_FORMAT`` (id, state, end,
+limit, partition): no field a job can write, so a job's name cannot forge its end (it can
+in ``scontrol show job -o``). A time limit is a scheduled release: ``scontrol update
+JobId=.. TimeLimit=+5`` moves ``EndTime`` later, which the poller serves as a renewal.
 
 Slurm prints local times without an offset (in the zone of the process that runs the
 client command, ``TZ`` included). The commands run here with ``TZ=UTC`` and
@@ -15,7 +17,7 @@ client command, ``TZ`` included). The commands run here with ``TZ=UTC`` and
 user's time format: nothing is guessed.
 
 Polled on the adaptive schedule with a 60 s base (``sidecar.host.schedule``): once a
-minute in the final 15 minutes, less often while the end is far (at most 60 scontrol
+minute in the final 15 minutes, less often while the end is far (at most 60 squeue
 calls per host-hour; docs/sources.md). Each command is bounded (``COMMAND_SECONDS``, its
 process killed after), so a slurmctld that is down or hangs costs one failed poll.
 """
@@ -34,13 +36,19 @@ from typing import Callable, Optional
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text
 from sidecar.models import KIND_SCHEDULED_RELEASE, Notice, observation_from_notices
-from sidecar.slurmtext import RUNNING_STATES, parse_end_time, parse_record, run_command
+from sidecar.slurmtext import (
+    JobRow,
+    job_query,
+    node_query,
+    parse_end_time,
+    parse_job_rows,
+    run_command,
+)
 
-__all__ = ["SPEC", "SlurmConfig", "SlurmSource", "build", "parse_end_time", "parse_record",
-           "probe"]
+__all__ = ["SPEC", "SlurmConfig", "SlurmSource", "build", "parse_end_time", "probe"]
 
 POLL_INTERVAL_SECONDS = 60.0  # the base of the adaptive schedule: at most once a minute
-COMMAND_SECONDS = 10.0  # one scontrol / squeue call, whole
+COMMAND_SECONDS = 10.0  # one squeue call, whole
 # Where slurm.conf lives on Debian and in Slurm's default build, for auto's probe.
 CONFIG_PATHS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
                 "/usr/local/etc/slurm.conf")
@@ -49,7 +57,7 @@ Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
 
 
 class SlurmSource:
-    """The end of this node's Slurm job(s), from scontrol / squeue."""
+    """The end of this node's Slurm job(s), from squeue."""
 
     name = "slurm"
     poll_interval_seconds = POLL_INTERVAL_SECONDS
@@ -72,40 +80,34 @@ class SlurmSource:
         return observation_from_notices(notices, instance_id=self.node)
 
     def _job_notices(self, job_id: str) -> list[Notice]:
-        out = self._ask(["scontrol", "show", "job", "-o", job_id])
-        fields = parse_record(out)
-        if "JobId" not in fields:
-            raise SourceError(f"slurm: scontrol show job {job_id}: no JobId in the answer "
-                              f"{out.strip()[:60]!r}")
-        state = fields.get("JobState", "")
-        if state not in RUNNING_STATES:
-            return []  # pending or ended: no time limit runs on this node
-        return [self._notice(job_id, fields.get("EndTime", ""), fields.get("TimeLimit", ""),
-                             fields.get("Partition"))]
+        rows = self._rows(job_query(job_id))
+        if not rows:
+            raise SourceError(f"slurm: squeue -j {job_id}: no line in the answer")
+        # Pending or ended: no time limit runs on this node. An array's or a heterogeneous
+        # job's id prints one row per part: each running one is a notice, the earliest wins.
+        return [self._notice(row) for row in rows if row.running]
 
     def _node_notices(self) -> list[Notice]:
-        out = self._ask(["squeue", "-h", "-w", self.node, "-t", ",".join(RUNNING_STATES),
-                         "-o", "%i %e %l %P"])
-        notices = []
-        for line in out.splitlines():
-            words = line.split()
-            if len(words) < 3:
-                raise SourceError(f"slurm: unexpected squeue line {line.strip()[:60]!r}")
-            notices.append(self._notice(words[0], words[1], words[2],
-                                        words[3] if len(words) > 3 else None))
-        return notices
+        return [self._notice(row) for row in self._rows(node_query(self.node))]
 
-    def _notice(self, job_id: str, end: str, limit: str, partition: Optional[str]) -> Notice:
+    def _rows(self, command: list[str]) -> list[JobRow]:
+        out = self._ask(command)
         try:
-            end_unix = parse_end_time(end)
+            return parse_job_rows(out)
         except ValueError as exc:
-            raise SourceError(f"slurm: job {job_id}: {exc}") from None
-        where = f" in {partition}" if partition else ""
+            raise SourceError(f"slurm: {exc}") from None
+
+    def _notice(self, row: JobRow) -> Notice:
+        try:
+            end_unix = parse_end_time(row.end)
+        except ValueError as exc:
+            raise SourceError(f"slurm: job {row.job_id}: {exc}") from None
+        where = f" in {row.partition}" if row.partition else ""
         if end_unix is None:
-            return Notice(KIND_SCHEDULED_RELEASE, None,
-                          detail=f"job {job_id}{where}: no time limit (TimeLimit={limit})")
+            return Notice(KIND_SCHEDULED_RELEASE, None, detail=f"job {row.job_id}{where}: "
+                          f"no time limit (TimeLimit={row.time_limit})")
         return Notice(KIND_SCHEDULED_RELEASE, end_unix,
-                      detail=f"job {job_id}{where}: time limit {limit}")
+                      detail=f"job {row.job_id}{where}: time limit {row.time_limit}")
 
     def _ask(self, command: list[str]) -> str:
         self.calls += 1
@@ -143,11 +145,11 @@ def build(config: SlurmConfig, environ: Mapping[str, str] = os.environ) -> Slurm
 
 def probe(config: SlurmConfig, timeout: float, environ: Mapping[str, str] = os.environ
           ) -> Optional[str]:
-    """None on a Slurm host: scontrol on PATH and a job id or a Slurm config (SLURM_CONF,
+    """None on a Slurm host: squeue on PATH and a job id or a Slurm config (SLURM_CONF,
     or slurm.conf in its usual places). Asks slurmctld nothing: a controller that is down
     is the source's error to report, not a reason to leave it out."""
-    if shutil.which("scontrol") is None:
-        return "no Slurm here (scontrol not on PATH)"
+    if shutil.which("squeue") is None:
+        return "no Slurm here (squeue not on PATH)"
     if config.slurm_job_id or environ.get("SLURM_JOB_ID"):
         return None
     conf = environ.get("SLURM_CONF")

@@ -5,6 +5,7 @@ deadline."""
 
 from __future__ import annotations
 
+import calendar
 import os
 import subprocess
 import time
@@ -23,7 +24,6 @@ from sidecar.host.sources.slurm import (
     SlurmConfig,
     SlurmSource,
     build,
-    parse_end_time,
     probe,
 )
 from sidecar.models import KIND_SCHEDULED_RELEASE
@@ -50,12 +50,19 @@ def slurm_env(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCl
     time.tzset()
 
 
-def sleeper(cluster: SlurmCluster, minutes: str) -> tuple[str, float]:
-    """A running job of ``--time=minutes``; its id and when it started (Unix seconds)."""
-    job = cluster.submit("sleep 3000\n", f"--time={minutes}", "-o", "/dev/null")
+def sleeper(cluster: SlurmCluster, minutes: str, *options: str) -> tuple[str, float]:
+    """A running job of ``--time=minutes``; its id and when it started (Unix seconds).
+
+    The start is read without the product's parser: the fixture's clients run under
+    ``TZ=UTC``, ``calendar.timegm`` reads the text as UTC, and the instant must lie between
+    this process's clock before the submit and after the job ran (an hour's error in the
+    zone is 3,600 s outside that window)."""
+    before = time.time()
+    job = cluster.submit("sleep 3000\n", f"--time={minutes}", "-o", "/dev/null", *options)
     fields = cluster.wait_job(job, ("RUNNING",), 30)
-    started = parse_end_time(fields["StartTime"])  # the fixture's clients run under TZ=UTC
-    assert started is not None
+    after = time.time()
+    started = float(calendar.timegm(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S")))
+    assert before - 1 <= started <= after, (before, fields["StartTime"], after)
     return job, started
 
 
@@ -65,8 +72,20 @@ def test_a_running_job_s_end_time_is_the_deadline_in_utc(slurm_env: SlurmCluster
     observation = source.poll()
     assert observation.expires_at_unix == started + 180  # not 8 h off: TZ is Asia/Shanghai
     assert observation.kind == KIND_SCHEDULED_RELEASE and observation.assumed_timezone is None
-    assert "time limit 00:03:00" in (observation.notices[0].detail or "")
+    assert "time limit 3:00" in (observation.notices[0].detail or "")
     assert source.calls == 1
+    slurm_env.run("scancel", job)
+
+
+def test_a_job_s_name_does_not_set_its_deadline(slurm_env: SlurmCluster) -> None:
+    forged = "train EndTime=2099-12-31T00:00:00"
+    job, started = sleeper(slurm_env, "3", f"--job-name={forged}")
+    record = slurm_env.run("scontrol", "show", "job", "-o", job).stdout
+    assert record.index(f"JobName={forged}") < record.index("EndTime=20")  # the forgery
+    assert SlurmSource(job).poll().expires_at_unix == started + 180
+    on_node = SlurmSource(None, slurm_env.node).poll().notices  # an earlier job may linger
+    assert [n.expires_at_unix for n in on_node if f"job {job} " in (n.detail or "")] == [
+        started + 180]
     slurm_env.run("scancel", job)
 
 
@@ -107,7 +126,9 @@ def test_a_wrong_job_id_or_node_is_one_clear_line(slurm_env: SlurmCluster) -> No
         SlurmSource(None, "nosuchnode").poll()
 
 
-@pytest.mark.parametrize("answer", ["JobId=5 JobState=RUNNING EndTime=tomorrow TimeLimit=1",
+@pytest.mark.parametrize("answer", ["5|RUNNING|tomorrow|1:00|debug",
+                                    "5|RUNNING|2099-12-31T00:00:00|1:00|debug|x",
+                                    "JobId=5 JobState=RUNNING EndTime=2099-12-31T00:00:00",
                                     "Segmentation fault", ""])
 def test_garbage_is_a_source_error_not_a_crash(answer: str) -> None:
     def garbage(command: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
@@ -119,7 +140,7 @@ def test_garbage_is_a_source_error_not_a_crash(answer: str) -> None:
 
 def test_a_hung_command_costs_one_bounded_poll(tmp_path: Any,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    hung = tmp_path / "scontrol"
+    hung = tmp_path / "squeue"
     hung.write_text("#!/bin/sh\nexec sleep 30\n")
     hung.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
