@@ -548,8 +548,8 @@ install_env_file() {
 
 # ------------------------------------------------------------------ the unit
 
-exec_start() { # the ExecStart command of a unit file
-	sed -n 's/^ExecStart=//p' "$1" | head -n 1
+exec_start() { # the ExecStart command of a unit file, its %% (a literal %) unescaped
+	sed -n 's/^ExecStart=//p' "$1" | head -n 1 | sed 's/%%/%/g'
 }
 
 # The package's own `esi-sidecar install` writes the unit (sidecar/host/install_service.py),

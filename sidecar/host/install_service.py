@@ -21,7 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["ENV_FILE", "UNIT_FILE", "add_install_commands", "find_executable", "unit_text"]
+__all__ = ["ENV_FILE", "UNIT_FILE", "add_install_commands", "exec_word", "find_executable",
+           "unit_text"]
 
 UNIT_NAME = "esi-sidecar.service"
 UNIT_FILE = "/etc/systemd/system/esi-sidecar.service"
@@ -43,16 +44,28 @@ def packaged_file(name: str) -> str:
     return (resources.files("sidecar.host") / "deploy_files" / name).read_text(encoding="utf-8")
 
 
+def exec_word(executable: str) -> str:
+    """``executable`` as the first word of ``ExecStart=``: systemd expands ``%``
+    specifiers there (``%h`` is a home folder), so each ``%`` is written ``%%``; a path
+    that is not absolute, or has a blank, a control character, a quote or a backslash
+    (systemd splits, unquotes or refuses such a name), is an InstallError."""
+    if not executable.startswith("/"):
+        raise InstallError(f"{executable!r}: the executable must be an absolute path")
+    if any(char.isspace() or not char.isprintable() or char in "\\'\"" for char in executable):
+        raise InstallError(f"{executable!r}: an ExecStart path with blanks, control "
+                           "characters, quotes or backslashes is not supported")
+    return executable.replace("%", "%%")
+
+
 def unit_text(executable: str) -> str:
-    """The packaged unit with ExecStart naming ``executable``: install.sh's
-    ``sed 's#^ExecStart=/opt/esi-sidecar/#ExecStart=$prefix/#'`` for ``$prefix/bin/...``."""
-    if any(char.isspace() for char in executable):
-        raise InstallError(f"{executable}: an ExecStart path with blanks is not supported")
+    """The packaged unit with ExecStart naming ``executable`` (:func:`exec_word`):
+    install.sh's ``$prefix/bin/esi-sidecar`` in place of the packaged /opt/esi-sidecar."""
+    word = exec_word(executable)
     lines = packaged_file("esi-sidecar.service").splitlines(keepends=True)
     found = False
     for index, line in enumerate(lines):
         if line.startswith(f"ExecStart={PACKAGED_EXEC}"):
-            lines[index] = f"ExecStart={executable}{line[len('ExecStart=' + PACKAGED_EXEC):]}"
+            lines[index] = f"ExecStart={word}{line[len('ExecStart=' + PACKAGED_EXEC):]}"
             found = True
     if not found:  # pragma: no cover - the packaged unit is tested
         raise InstallError(f"the packaged unit has no ExecStart={PACKAGED_EXEC} line")

@@ -173,3 +173,63 @@ def test_the_written_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert "esi-sidecar.service" not in result.stderr, result.stderr
+
+
+def verify(analyze: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """``systemd-analyze verify`` on the unit written under ``root``, its EnvironmentFile=
+    pointed into the root (verify checks that it exists)."""
+    text = under(root, UNIT_FILE).read_text().replace(
+        f"EnvironmentFile={ENV_FILE}", f"EnvironmentFile={under(root, ENV_FILE)}")
+    unit = root / "esi-sidecar.service"
+    unit.write_text(text)
+    return subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_percent_in_the_executable_path_is_not_a_specifier(tmp_path: Path) -> None:
+    """systemd expands %h in ExecStart= to a home folder: the path's % is written %%, and
+    systemd then runs the file that is there (verify finds it executable). A $ is no
+    variable in the executable's name and stays as it is."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    executable = tmp_path / "opt%h$HOME" / "bin" / "esi-sidecar"
+    executable.parent.mkdir(parents=True)
+    executable.write_text("#!/bin/sh\n")
+    executable.chmod(0o755)
+    root = tmp_path / "root"
+    assert main(["install", "--root", str(root), "--executable", str(executable)]) == 0
+    escaped = str(executable).replace("%h", "%%h")
+    assert f"\nExecStart={escaped} serve\n" in under(root, UNIT_FILE).read_text()
+    result = verify(analyze, root)
+    assert result.returncode == 0 and "esi-sidecar.service" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("executable", ["bin/esi-sidecar", "-/opt/esi-sidecar",
+                                        "/opt/a'b/esi-sidecar", '/opt/a"b/esi-sidecar',
+                                        "/opt/a\\x20b/esi-sidecar", "/opt/a\nb/esi-sidecar",
+                                        "/opt/a\x7fb/esi-sidecar"])
+def test_a_path_systemd_would_split_unquote_or_refuse_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], executable: str
+) -> None:
+    assert main(["install", "--root", str(tmp_path), f"--executable={executable}"]) == 2
+    said = capsys.readouterr().err
+    assert "not supported" in said or "must be an absolute path" in said, said
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_install_sh_with_a_percent_in_the_prefix_writes_the_same_unit(tmp_path: Path) -> None:
+    """install.sh's unit is the package's (%% in ExecStart=), and the command it shows for a
+    start by hand is the real path, with its % as it is."""
+    prefix = "/srv/esi%h"
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    reuse_venv(under(staged, prefix))
+    checkout = copy_checkout(tmp_path / "checkout")
+    result = run_install("--root", str(staged), "--prefix", prefix, "--python", sys.executable,
+                         *FAST_PIP, script=checkout / "install.sh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert under(staged, UNIT_FILE).read_text() == unit_text(f"{prefix}/bin/esi-sidecar")
+    assert "\nExecStart=/srv/esi%%h/bin/esi-sidecar serve\n" in unit_text(
+        f"{prefix}/bin/esi-sidecar")
+    assert f"exec {staged}/srv/esi%h/bin/esi-sidecar serve'" in result.stdout, result.stdout
