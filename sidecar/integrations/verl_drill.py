@@ -124,7 +124,10 @@ class VerlDrill:
     def _durable(self, asked: _Asked, now: float) -> None:
         self._asked = None
         save = self._save_seconds(asked)
-        self._report(asked.id, "durable", budget=asked.budget_seconds,
+        late = now - asked.deadline_unix  # durable after the drill deadline: not in time
+        self._report(asked.id, "durable" if late <= 0 else "not-durable",
+                     reason=None if late <= 0 else f"durable {late:.1f} s after the drill "
+                     "deadline", budget=asked.budget_seconds,
                      remaining=asked.deadline_unix - asked.asked_unix, save=save,
                      upload=max(0.0, now - asked.asked_unix - save),
                      durable=now - asked.asked_unix, lead=asked.deadline_unix - now)
