@@ -16,6 +16,13 @@ A folder keeps its inode through the commit's rename, so the committed checkpoin
 the files sent for it (:meth:`StreamWatcher.take`). A temporary folder that vanishes any
 other way (the save raised, the trainer cleaned a killed save's leftover) is abandoned:
 its staged files are discarded and nothing of it ever becomes visible.
+
+The job's folder is hostile input (issue 35, item 4): however many folders it names like
+saves, only the ``MAX_SAVES_FOLLOWED`` most recently changed are followed (looked into,
+watched, sent early), on the uploader's one inotify instance, at most
+``MAX_FOLDERS_WATCHED`` folders each. The others are ignored until they commit, when the
+uploader sends them as any checkpoint; a save pushed out by newer ones is dropped (its
+staged files discarded) and, if it commits, sent whole.
 """
 
 from __future__ import annotations
@@ -28,16 +35,31 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from sidecar.checkpoint.manifest import MANIFEST_NAME, PIN_MARKERS
 from sidecar.host.upload.commit_check import Staging, StatKey, stat_key
+from sidecar.host.upload.inotify import (
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DONT_FOLLOW,
+    IN_IGNORED,
+    IN_ISDIR,
+    IN_ONLYDIR,
+)
+from sidecar.host.upload.watch import FolderWatch
 
-__all__ = ["DEFAULT_SETTLE_SECONDS", "FolderId", "SaveInProgress", "StreamWatcher"]
+__all__ = ["DEFAULT_SETTLE_SECONDS", "MAX_FOLDERS_WATCHED", "MAX_SAVES_FOLLOWED", "FolderId",
+           "SaveInProgress", "StreamWatcher"]
 
 log = logging.getLogger("sidecar.host.upload.stream")
 
 DEFAULT_SETTLE_SECONDS = 1.0
+# A trainer has one save in progress (two when a save overlaps a killed one's leftover);
+# beyond a few, the folders are not saves worth sending early.
+MAX_SAVES_FOLLOWED = 4
+MAX_FOLDERS_WATCHED = 64  # per save: the save's folder and its subfolders; then settle time
+_SAVE_EVENTS = IN_CLOSE_WRITE | IN_CREATE | IN_ONLYDIR | IN_DONT_FOLLOW
 # atomic_checkpoint's temporary folder: .tmp-<name>.<host>-<pid>-<start>.<token>
 _TEMP = re.compile(r"^\.tmp-(?P<name>.+)\.[0-9a-f]{8}-\d{1,10}-\d{1,20}\.[0-9a-f]{8}$")
 _NOT_SENT = frozenset((MANIFEST_NAME, *PIN_MARKERS))
@@ -66,6 +88,7 @@ class SaveInProgress:
     tried: dict[str, StatKey] = field(default_factory=dict)  # sent (or refused) at this key
     staging: Optional[Staging] = None
     committed: bool = False  # renamed into place: waiting for the uploader to take it
+    dropped: str = ""  # why it is no longer followed, once it is not
     sent_bytes: int = 0
     send_seconds: float = 0.0
 
@@ -80,58 +103,85 @@ class StreamWatcher:
 
     def __init__(self, root: Path, *, settle_seconds: float = DEFAULT_SETTLE_SECONDS,
                  on_change: Callable[[], None] = lambda: None,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 watch: Optional[FolderWatch] = None) -> None:
         self.root = root
         self.settle_seconds = settle_seconds
         self._on_change = on_change
         self._monotonic = monotonic
-        self._lock = threading.Lock()  # guards ``closed`` (written by watchdog's thread)
+        self._watch = watch  # its inotify instance, shared: None means settle time only
+        # Guards ``closed`` and ``_folders`` (written by the inotify thread too).
+        self._lock = threading.Lock()
         self.saves: dict[FolderId, SaveInProgress] = {}
-        self._observers: dict[FolderId, Any] = {}
+        self._folders: dict[FolderId, dict[str, int]] = {}  # watched: relative folder -> wd
 
     # ------------------------------------------------------------------ scanning
 
     def scan(self) -> list[SaveInProgress]:
-        """Look again; returns the saves abandoned since the last scan (their staging is
-        the caller's to discard)."""
+        """Look again; returns the saves no longer followed since the last scan, ``dropped``
+        saying why (abandoned, or pushed out by newer ones): their staging is the caller's
+        to discard."""
         now = self._monotonic()
-        present: set[FolderId] = set()
-        try:
-            entries = list(os.scandir(self.root))
-        except OSError:
-            entries = []
-        for entry in entries:
-            match = _TEMP.match(entry.name)
-            if match is None:
-                continue
-            path = Path(entry.path)
-            ident = folder_id(path)
-            if ident is None:
-                continue
-            present.add(ident)
-            save = self.saves.get(ident)
-            if save is None:
-                save = SaveInProgress(path, match["name"], ident, now)
-                self.saves[ident] = save
-                self._watch(save)
-            self._look(save, now)
-        abandoned = []
+        found = self._temporary_folders()
+        newest = set(sorted(found, key=lambda ident: found[ident][2],
+                            reverse=True)[:MAX_SAVES_FOLLOWED])
+        dropped = []
         for ident, save in list(self.saves.items()):
-            if ident in present or save.committed:
+            if save.committed:  # the uploader takes it next, unless it went again
+                if folder_id(self.root / save.name) != ident:
+                    dropped.append(self._drop(ident, f"{save.name} is gone"))
+            elif ident in newest:
                 continue
-            if folder_id(self.root / save.name) == ident:
+            elif ident in found:
+                dropped.append(self._drop(ident, f"{MAX_SAVES_FOLLOWED} newer saves are "
+                                                 "in progress"))
+            elif folder_id(self.root / save.name) == ident:
                 save.committed = True  # renamed into place; the uploader takes it next
                 self._unwatch(ident)
-                continue
-            del self.saves[ident]
-            self._unwatch(ident)
-            abandoned.append(save)
-        return abandoned
+            else:
+                dropped.append(self._drop(ident, f"{save.path.name} is gone"))
+        for ident in newest:
+            if ident not in self.saves:
+                path, name, _ = found[ident]
+                self.saves[ident] = SaveInProgress(path, name, ident, now)
+            self._look(self.saves[ident], now)
+        waiting = sorted((save for save in self.saves.values() if save.committed),
+                         key=lambda save: save.created)
+        for save in waiting[:-MAX_SAVES_FOLLOWED]:  # committed, never taken: bounded too
+            dropped.append(self._drop(save.folder, f"{save.name} was never taken"))
+        return dropped
+
+    def _temporary_folders(self) -> dict[FolderId, tuple[Path, str, int]]:
+        """Every folder named like a save in progress: its path, name and mtime."""
+        found: dict[FolderId, tuple[Path, str, int]] = {}
+        try:
+            with os.scandir(self.root) as entries:
+                for entry in entries:
+                    match = _TEMP.match(entry.name)
+                    if match is None:
+                        continue
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(info.st_mode):
+                        found[(info.st_dev, info.st_ino)] = (Path(entry.path), match["name"],
+                                                             info.st_mtime_ns)
+        except OSError:
+            pass
+        return found
+
+    def _drop(self, ident: FolderId, why: str) -> SaveInProgress:
+        save = self.saves.pop(ident)
+        self._unwatch(ident)
+        save.dropped = why
+        return save
 
     def _look(self, save: SaveInProgress, now: float) -> None:
         seen: dict[str, tuple[StatKey, float]] = {}
         for current, dirnames, filenames in os.walk(save.path):
             dirnames.sort()
+            self._watch_folder(save, current)
             for filename in filenames:
                 full = os.path.join(current, filename)
                 relative = os.path.relpath(full, save.path).replace(os.sep, "/")
@@ -180,48 +230,53 @@ class StreamWatcher:
 
     def stop(self) -> list[SaveInProgress]:
         """Stop watching; returns every save still held (to discard)."""
-        for ident in list(self._observers):
+        for ident in list(self._folders):
             self._unwatch(ident)
         saves, self.saves = list(self.saves.values()), {}
         return saves
 
     # ------------------------------------------------------------------ close events
 
-    def _watch(self, save: SaveInProgress) -> None:
-        try:
-            from watchdog.events import FileClosedEvent, FileSystemEvent, FileSystemEventHandler
-            from watchdog.observers import Observer
-        except ImportError:  # pragma: no cover - watchdog is in the [upload] extra
+    def _watch_folder(self, save: SaveInProgress, current: str) -> None:
+        """Watch one folder of a followed save on the shared instance (once)."""
+        if self._watch is None:
             return
-        watcher, base = self, str(save.path)
+        relative = os.path.relpath(current, save.path)  # "." for the save's own folder
+        with self._lock:
+            folders = self._folders.setdefault(save.folder, {})
+            if relative in folders or len(folders) >= MAX_FOLDERS_WATCHED:
+                return
+        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
 
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if isinstance(event, FileClosedEvent) and not event.is_directory:
-                    watcher._closed(save, base, str(event.src_path))
+        def on_event(wd: int, mask: int, name: str) -> None:
+            if mask & IN_IGNORED:  # the folder went: forget it, a new one is watched anew
+                with self._lock:
+                    if folders.get(relative) == wd:
+                        del folders[relative]
+            elif mask & IN_ISDIR:
+                self._on_change()  # a new subfolder: the next scan watches it
+            elif mask & IN_CLOSE_WRITE and name:
+                self._closed(save, prefix + name)
 
-        observer = Observer()
+        wd = self._watch.add(Path(current), _SAVE_EVENTS, on_event)
+        if wd is not None:
+            with self._lock:
+                folders[relative] = wd
+
+    def _closed(self, save: SaveInProgress, relative: str) -> None:
         try:
-            observer.schedule(Handler(), base, recursive=True)
-            observer.daemon = True
-            observer.start()
-        except Exception as exc:  # inotify limits, an odd file system: the settle time
-            log.debug("no close events for %s (%s); waiting for files to settle", base, exc)
-            return
-        self._observers[save.folder] = observer
-
-    def _closed(self, save: SaveInProgress, base: str, path: str) -> None:
-        try:
-            key = stat_key(os.lstat(path))
+            key = stat_key(os.lstat(save.path / relative))
         except OSError:
             return
-        relative = os.path.relpath(path, base).replace(os.sep, "/")
         with self._lock:
             save.closed[relative] = key
         self._on_change()
 
     def _unwatch(self, ident: FolderId) -> None:
-        observer = self._observers.pop(ident, None)
-        if observer is not None:
-            observer.stop()
-            observer.join(1.0)
+        with self._lock:
+            folders = self._folders.pop(ident, {})
+            wds = list(folders.values())
+            folders.clear()
+        if self._watch is not None:
+            for wd in wds:
+                self._watch.remove(wd)

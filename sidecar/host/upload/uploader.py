@@ -174,7 +174,8 @@ class Uploader:
         self._thread: Optional[threading.Thread] = None
         self._watch = FolderWatch(config.root, self.wake)
         self._stream = StreamWatcher(config.root, settle_seconds=config.settle_seconds,
-                                     on_change=self.wake) if config.stream else None
+                                     on_change=self.wake,
+                                     watch=self._watch) if config.stream else None
         # The newest checkpoint this uploader made durable: its files, which an unchanged
         # file of the next one reuses (issue 23, item 2).
         self._durable: dict[str, DurableFile] = {}
@@ -262,8 +263,8 @@ class Uploader:
             self._prepared = True
         if self._stream is not None:
             for save in self._stream.scan():
-                log.info("the save of %s was abandoned (%s is gone); its %d staged file(s) "
-                         "are discarded", save.name, save.path.name,
+                log.info("the save of %s is no longer followed (%s); its %d staged file(s) "
+                         "are discarded", save.name, save.dropped,
                          len(save.staging.files) if save.staging else 0)
                 self._discard(save)
         record = self._next()
