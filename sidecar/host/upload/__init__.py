@@ -18,7 +18,8 @@ Modules, one job each:
 - ``volume_stage``, ``s3_stage``: the files at the destination before the commit (a hidden
   folder; multipart uploads completed at the commit), unchanged ones linked or copied;
 - ``status``: what ``GET /v1/uploads`` and ``/metrics`` show (standard library only);
-- ``watch``: inotify (watchdog) on the checkpoint folder, polling as the fallback;
+- ``inotify``: one inotify instance and its reader thread, for every watch (Linux);
+- ``watch``: the checkpoint folder watched, polling as the fallback;
 - ``uploader``: the daemon's thread: order, retries, pins, yielding near the release;
 - ``restore``: the ``esi-sidecar restore`` command's work.
 
