@@ -34,6 +34,8 @@ class FollowedSave:
     next_check: float = -math.inf  # monotonic
     reported: bool = False
     top_up: bool = False
+    #: Saved for a fire drill's deadline (sidecar/train/drill.py), not a release's.
+    drill: bool = False
     # An asynchronous save: it counts once committed() is True (committed_unix).
     committed: Optional[Callable[[], bool]] = None
     committed_unix: Optional[float] = None
@@ -41,6 +43,16 @@ class FollowedSave:
     @property
     def name(self) -> str:
         return "top-up" if self.top_up else "final"
+
+    @property
+    def said(self) -> str:
+        """The save as the log names it: a drill's is a drill's."""
+        return f"{'drill ' if self.drill else ''}{self.name} checkpoint"
+
+    @property
+    def until(self) -> str:
+        """What the save had to be durable before."""
+        return "the drill deadline" if self.drill else "the release"
 
 
 class DurabilityFollower:
@@ -68,22 +80,23 @@ class DurabilityFollower:
         deadline_unix: Optional[float],
         top_up: bool,
         committed: Optional[Callable[[], bool]],
+        drill: bool = False,
     ) -> None:
         """The rule's save was made: follow it from now on (a new final save forgets the
-        top-up of the one before)."""
+        top-up of the one before). ``drill``: made for a fire drill's deadline."""
         now = self._clock()
         uploads = self._tracker.upload_status is not None
         saved = FollowedSave(step=step, deadline_unix=deadline_unix, saved_unix=now,
                              durable_unix=None if uploads or committed else now,
-                             top_up=top_up, committed=committed)
+                             top_up=top_up, committed=committed, drill=drill)
         if top_up:
             self.top_up = saved
         else:
             self.final, self.top_up = saved, FollowedSave()
         if uploads and step is None:
-            logger.warning("the %s checkpoint was saved without a step number "
+            logger.warning("the %s was saved without a step number "
                            "(guard.saving(step=N)): its upload cannot be followed",
-                           saved.name)
+                           saved.said)
 
     def forget(self) -> None:
         """The release they were saved for did not come: the next final save is followed,
@@ -140,19 +153,22 @@ class DurabilityFollower:
                           else final.deadline_unix - final.durable_unix)
         local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
         if final.deadline_unix is None:
-            logger.info("%s checkpoint (step %s) durable%s", final.name, final.step, local)
+            logger.info("%s (step %s) durable%s", final.said, final.step, local)
         else:
-            logger.info("%s checkpoint (step %s) durable %.1f s before the release%s",
-                        final.name, final.step,
-                        final.deadline_unix - final.durable_unix, local)
+            logger.info("%s (step %s) durable %.1f s before %s%s", final.said, final.step,
+                        final.deadline_unix - final.durable_unix, final.until, local)
 
     def _say_not_durable(self, final: FollowedSave) -> None:
         unwritten = final.committed is not None and final.committed_unix is None
         upload = self._tracker.upload_status or "no answer"
         self._events.send("not-durable", step=final.step, save=final.name, reason=(
             "its asynchronous write had not finished" if unwritten
-            else f"the upload had not finished ({upload})") + " when the release came")
-        if unwritten:
+            else f"the upload had not finished ({upload})") + f" when {final.until} came")
+        if final.drill:  # the drill's own report judges it (drill.py); nothing was lost
+            logger.warning("%s (step %s) was not durable by the drill deadline: %s",
+                           final.said, final.step, "its asynchronous write had not finished"
+                           if unwritten else f"the uploader had not finished ({upload})")
+        elif unwritten:
             logger.error("%s checkpoint (step %s) was NOT committed before the release: "
                          "its asynchronous write had not finished", final.name, final.step)
         elif final.top_up:  # the final checkpoint before it is the one to resume from

@@ -389,7 +389,8 @@ class CheckpointGuard:
                           else deadline_unix - self._clock())
         if rule is not None and rule.save_now:  # the save the rule asked for
             self._durability.saved(step=step, deadline_unix=deadline_unix,
-                                   top_up=rule.top_up, committed=committed)
+                                   top_up=rule.top_up, committed=committed,
+                                   drill=self._drill.drilling)
         self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=rule)
 
     def state_dict(self) -> dict[str, object]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 from daemon_harness import serve_daemon
+from drill_support import job_heard, start_drill, verdict
+from guard_support import static_daemon
 from upload_support import (
     ACCESS_KEY,
     MIB,
@@ -327,3 +330,60 @@ def test_few_uploads_measured_keep_the_saved_estimate_and_a_long_upload_gets_a_f
         wait_for(lambda: client.last_durable_step() == 3, timeout=30)
         # Step 3's upload counts too (step 2's may have given way to it, unfinished).
         assert expiry(daemon.url)["upload_measured"] >= 2
+
+
+def drill_messages(caplog: pytest.LogCaptureFixture, committed: Any = None
+                   ) -> tuple[list[tuple[int, str]], list[int], Any]:
+    """A guard training through a 3 s fire drill on a real daemon (no uploader): the
+    guard's log lines, the steps saved, the drill's verdict."""
+    caplog.set_level(logging.INFO, logger=GUARD_LOGGER)
+    with static_daemon(time.time() + 3600) as daemon:
+        guard = CheckpointGuard(SidecarClient(daemon.url),
+                                SavePolicy(save_seconds=0.2, redundant_seconds=1.0,
+                                           top_up_seconds=None),
+                                environ={}, refresh_seconds=0.05)
+        saves: list[int] = []
+        drill: dict[str, Any] = {}
+        limit = time.monotonic() + 30
+        step = 0
+        while not (drill and verdict(daemon.url, drill["id"])):
+            assert time.monotonic() < limit, f"no verdict by step {step}"
+            with guard.step():
+                time.sleep(0.05)
+            if guard.should_save():
+                guard.record_save(0.01, step=step, committed=committed)
+                saves.append(step)
+            assert guard.should_stop() is False
+            if not drill and job_heard(daemon.url):
+                drill = start_drill(daemon.url, 3.0)
+            step += 1
+        found = verdict(daemon.url, drill["id"])
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == GUARD_LOGGER]
+    return messages, saves, found
+
+
+def test_a_drill_s_save_is_logged_as_a_drill_s_not_a_release_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    messages, saves, found = drill_messages(caplog)
+    assert found["verdict"] == "PASS" and len(saves) == 1, (found, saves)
+    durable = [m for _, m in messages  # the follower's line, not the drill's report
+               if "checkpoint (step" in m and " durable" in m and "fire drill" not in m]
+    assert len(durable) == 1 and re.fullmatch(
+        rf"drill final checkpoint \(step {saves[0]}\) durable \d+\.\d s before the drill "
+        r"deadline \(no uploader: the local save counts\)", durable[0]), durable
+    assert not [m for _, m in messages if "release" in m], messages
+
+
+def test_a_drill_s_save_not_durable_by_its_deadline_is_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An asynchronous save never committed: the drill fails, and the guard's own line names
+    the drill's deadline, as a warning (nothing was lost), never "NOT ... before the
+    release" as an error."""
+    messages, saves, found = drill_messages(caplog, committed=lambda: False)
+    assert found["verdict"] == "FAIL" and len(saves) == 1, (found, saves)
+    assert (logging.WARNING, f"drill final checkpoint (step {saves[0]}) was not durable by "
+            "the drill deadline: its asynchronous write had not finished") in messages
+    assert not [m for level, m in messages if level >= logging.ERROR or "release" in m], \
+        messages
