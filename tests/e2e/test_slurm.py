@@ -3,10 +3,12 @@ examples/plain_pytorch.py saves before the time limit, resumes in the same proce
 ``scontrol update TimeLimit=+5`` (a renewal), then saves and exits 75 on a
 preemption-style SIGTERM (``scancel --signal=TERM``), every checkpoint complete.
 
-The guard reads the job's end itself (sidecar/train/slurm_deadline.py: scontrol at most
+The guard reads the job's end itself (sidecar/train/slurm_deadline.py: squeue at most
 once a minute), so its margin is set above that minute: an extension granted after the
 final save is then seen before the old limit passes. The partition's GraceTime (20 s)
-is shorter than --sigterm-grace (25 s) and becomes the SIGTERM deadline.
+is shorter than --sigterm-grace (25 s) and becomes the SIGTERM deadline. The job's name
+forges a far end in ``scontrol show job -o`` (``EndTime=2099-...`` before the real one):
+the guard reads the fixed ``squeue`` format, so it saves before the real limit all the same.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ GRACE_SECONDS = 20
 # Above one ask interval (plus the step, the save and a busy host's slack): the final save
 # comes that long before the limit, and the extension made after it is read before it.
 REDUNDANT_SECONDS = ASK_SECONDS + 15
+FORGED_NAME = "train EndTime=2099-12-31T00:00:00"
 
 pytestmark = [
     pytest.mark.slow,
@@ -45,6 +48,11 @@ pytestmark = [
 def cluster() -> Iterator[SlurmCluster]:
     with running_cluster(grace_seconds=GRACE_SECONDS, kill_wait_seconds=30) as started:
         yield started
+
+
+def end_time(cluster: SlurmCluster, job: str) -> str:
+    """The job's real EndTime (``scontrol show job``'s first one is the name's forgery)."""
+    return cluster.run("squeue", "-h", "-j", job, "-o", "%e").stdout.strip()
 
 
 def output_of(path: Path) -> str:
@@ -73,14 +81,15 @@ def test_a_time_limited_job_saves_resumes_on_extension_and_saves_on_sigterm(
            ENV_URL: f"http://127.0.0.1:{unused_port}"}  # no daemon answers
     submitted = time.monotonic()
     job = cluster.submit(f"cd {REPO}\nexec {' '.join(command)}\n", "--time=3", "-o", str(log),
-                         env=env)
-    fields = cluster.wait_job(job, ("RUNNING",), 30)
-    first_end = fields["EndTime"]
+                         f"--job-name={FORGED_NAME}", env=env)
+    cluster.wait_job(job, ("RUNNING",), 30)
+    first_end = end_time(cluster, job)
+    assert first_end < "2099" and cluster.job(job)["EndTime"] == "2099-12-31T00:00:00"
 
     # 1. The final save comes before the time limit, from the job's own reading of it.
     wait_in_log(log, rf"Slurm job {job} ends at", timeout=60)
     saved = wait_in_log(log, r"final checkpoint saved; waiting for the release", timeout=200)
-    assert cluster.job(job)["JobState"] == "RUNNING" and cluster.job(job)["EndTime"] == first_end
+    assert cluster.job(job)["JobState"] == "RUNNING" and end_time(cluster, job) == first_end
     first = [c for c in list_checkpoints(output, verify_checksums=True)]
     assert first and all(c.valid for c in first), first
 
