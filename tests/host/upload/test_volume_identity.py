@@ -11,7 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -222,3 +226,168 @@ def test_a_daemon_restarted_on_another_volume_refuses_it(tmp_path: Path) -> None
         wait_for(lambda: uploads(daemon.url)["degraded"], timeout=30)
         assert f"its {VOLUME_MARKER} names another volume" in uploads(daemon.url)["error"]
     assert [p.name for p in volume.iterdir()] == [VOLUME_MARKER]
+
+
+# ---------------------------------------------------------------- real mounts (issue 41)
+
+# Runs in a private mount namespace: the volume is a folder ("store") bind-mounted at
+# "mnt", the destination is mnt/run. Step 1 is committed, then the scenario changes the
+# mounts and tries step 2 with the same destination ("within") and with a restarted one
+# that knows only what the state file's section kept ("restart"); "back" puts the volume
+# back and commits step 2.
+_MOUNTS = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from pathlib import Path
+    from sidecar.checkpoint.folders import atomic_checkpoint
+    from sidecar.host.upload.identity import VOLUME_MARKER, mount_now
+    from sidecar.host.upload.volume import VolumeDestination
+    from sidecar.host.upload.volume_section import VolumeSection
+
+    base, scenario = Path(sys.argv[1]), sys.argv[2]
+    local, store, mnt = base / "local", base / "store", base / "mnt"
+    root = mnt / "run"
+
+    def run(*command):
+        subprocess.run(command, check=True)
+
+    def commit(destination, step):
+        with atomic_checkpoint(local, step, checksum=True) as folder:
+            (folder / "w.bin").write_bytes(os.urandom(1000))
+        info = [p for p in local.iterdir() if p.name == f"step_{step:08d}"][0]
+        raw = (info / "MANIFEST.json").read_bytes()
+        from sidecar.checkpoint.folders import validate
+        destination.upload(validate(info), raw, on_progress=lambda c: None,
+                           should_stop=lambda: None, before_manifest=lambda: None)
+
+    def attempt(action):
+        try:
+            action()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "accepted"
+
+    def restarted():
+        destination = VolumeDestination(root)
+        VolumeSection(destination.identity, lambda: None).load(json.loads(kept))
+        return destination
+
+    run("mount", "--bind", str(store), str(mnt))
+    destination = VolumeDestination(root)
+    destination.prepare(time.time())
+    commit(destination, 1)
+    kept = json.dumps(VolumeSection(destination.identity, lambda: None).dump())
+    marker = (root / VOLUME_MARKER).read_bytes()
+    out = {"mount": str(mnt), "beneath": str(mount_now(base).point)}
+    if scenario == "beneath":  # unmounted, a stale copy of the marker on the disk beneath
+        run("umount", str(mnt))
+        root.mkdir()
+        (root / VOLUME_MARKER).write_bytes(marker)
+    elif scenario == "changed":  # another file system mounted nearer, the marker copied in
+        run("mount", "-t", "tmpfs", "esi-changed", str(root))
+        (root / VOLUME_MARKER).write_bytes(marker)
+    elif scenario == "another":  # another volume, with its own marker, in the volume's place
+        run("umount", str(mnt))
+        run("mount", "-t", "tmpfs", "esi-another", str(mnt))
+        root.mkdir()
+        VolumeDestination(root).identity.confirm()
+    elif scenario == "damaged":  # another file system whose marker does not parse
+        run("umount", str(mnt))
+        run("mount", "-t", "tmpfs", "esi-damaged", str(mnt))
+        root.mkdir()
+        (root / VOLUME_MARKER).write_text("esi-sidecar uploader pid=1\\n")
+    out["within"] = attempt(lambda: commit(destination, 2))
+    out["restart"] = attempt(lambda: restarted().prepare(time.time()))
+    out["left"] = sorted(p.name for p in root.iterdir())
+    if scenario == "changed":
+        run("umount", str(root))
+    else:
+        if scenario in ("another", "damaged"):
+            run("umount", str(mnt))
+        run("mount", "--bind", str(store), str(mnt))  # the volume back: another mount id
+    again = restarted()
+    out["back"] = attempt(lambda: (again.prepare(time.time()), commit(again, 3)))
+    out["back_within"] = attempt(lambda: commit(destination, 4))
+    out["committed"] = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    print(json.dumps(out))
+""")
+
+
+def in_mount_namespace(tmp_path: Path, scenario: str) -> dict[str, Any]:
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    for folder in ("local", "store/run", "mnt"):
+        (tmp_path / folder).mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run(
+        [unshare, "--mount", "--propagation", "private", sys.executable, "-c", _MOUNTS,
+         str(tmp_path), scenario], capture_output=True, text=True, env=env, timeout=120,
+        cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    found: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return found
+
+
+def not_the_volume(root: str, why: str) -> str:
+    return f"NotTheVolume: destination {root} is not the volume it was: not mounted? ({why})"
+
+
+def test_a_stale_marker_beneath_an_unmounted_volume_is_not_the_volume(
+    tmp_path: Path,
+) -> None:
+    """The volume is unmounted and a copy of its marker lies on the disk beneath: the
+    mount check refuses it, while running and after a restart; a remount is the volume."""
+    out = in_mount_namespace(tmp_path, "beneath")
+    root, mnt = f"{out['mount']}/run", out["mount"]
+    beneath = out["beneath"]  # the file system the empty mount point is on
+    assert out["within"] == not_the_volume(
+        root, f"it is no longer on the file system mounted at {mnt}, but on the one at "
+        f"{beneath}")
+    assert out["restart"] == not_the_volume(
+        root, f"it was on the file system mounted at {mnt}, now it is on the one at {beneath}")
+    assert out["left"] == [VOLUME_MARKER]  # nothing written beneath
+    assert out["back"] == "accepted" and out["back_within"] == "accepted"
+    assert out["committed"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_another_file_system_mounted_nearer_the_folder_is_not_the_volume(
+    tmp_path: Path,
+) -> None:
+    """A changed mount: another file system mounted at the folder itself, holding a copy
+    of the marker. Refused while running and after a restart."""
+    out = in_mount_namespace(tmp_path, "changed")
+    root, mnt = f"{out['mount']}/run", out["mount"]
+    assert out["within"] == not_the_volume(
+        root, f"it is no longer on the file system mounted at {mnt}, but on the one at {root}")
+    assert out["restart"] == not_the_volume(
+        root, f"it was on the file system mounted at {mnt}, now it is on the one at {root}")
+    assert out["left"] == [VOLUME_MARKER]
+    assert out["back"] == "accepted" and out["back_within"] == "accepted"
+    assert out["committed"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_another_volume_mounted_in_its_place_is_not_the_volume(tmp_path: Path) -> None:
+    """Another volume with a marker of its own mounted at the same mount point: the
+    marker check refuses it (the mount point is the same), while running and after a
+    restart."""
+    out = in_mount_namespace(tmp_path, "another")
+    root = f"{out['mount']}/run"
+    why = f"its {VOLUME_MARKER} names another volume"
+    assert out["within"] == not_the_volume(root, why)
+    assert out["restart"] == not_the_volume(root, why)
+    assert out["left"] == [VOLUME_MARKER]
+    assert out["back"] == "accepted" and out["back_within"] == "accepted"
+    assert out["committed"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_a_damaged_marker_on_another_mount_is_not_written_back(tmp_path: Path) -> None:
+    """A marker that does not parse is written back only on the very mount the daemon
+    confirmed: on another file system at the mount point it is refused."""
+    out = in_mount_namespace(tmp_path, "damaged")
+    root = f"{out['mount']}/run"
+    assert out["within"].startswith(not_the_volume(root, f"its {VOLUME_MARKER} is damaged;")[:-1])
+    assert out["restart"].startswith(not_the_volume(root, f"its {VOLUME_MARKER} is damaged;")[:-1])
+    assert out["left"] == [VOLUME_MARKER]
+    assert out["back"] == "accepted" and out["back_within"] == "accepted"
+    assert out["committed"] == ["step_00000001", "step_00000003", "step_00000004"]
