@@ -82,14 +82,16 @@ class FolderWatch:
             inotify.close(timeout)
 
     def _instance(self) -> Optional[Inotify]:
-        if self._inotify is not None and self._inotify.alive:
-            return self._inotify
-        self.stop(0.1)
-        try:
-            self._inotify = Inotify.open(on_overflow=self._on_change)
-        except OSError as exc:
-            self._report(f"no inotify ({exc}); polling instead")
-        return self._inotify
+        """The one instance, opened once: if its reader ever ends, polling from then on
+        (a second instance would give watches numbers the first one's holders still
+        keep)."""
+        if self._inotify is None:
+            try:
+                self._inotify = Inotify.open(on_overflow=self._on_change)
+            except OSError as exc:
+                self._report(f"no inotify ({exc}); polling instead")
+                return None
+        return self._inotify if self._inotify.alive else None
 
     def _root_event(self, wd: int, mask: int, name: str) -> None:
         if mask & IN_IGNORED:  # the root was deleted or unmounted: the next ensure() retries
