@@ -2,7 +2,8 @@
 
 What survives a restart comes in named sections, each dumped to and loaded from plain JSON
 by its owner (the sources' last good deadlines: ``store_section``; the job events:
-``events``); only this module opens the file. It is written crash-safely
+``events``; the volume's identity: ``upload.volume_section``); only this module opens
+the file. It is written crash-safely
 (``sidecar.checkpoint.durable``) at once when asked (a deadline changed, the shutdown), or
 within WRITE_DELAY_SECONDS of a change it is told of (a flood of events costs one write
 per 2 s). A damaged file, whatever its shape, is set aside as ``<name>.bad`` with one log

@@ -25,9 +25,11 @@ from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo
+from sidecar.host.statefile import StateFile
 from sidecar.host.upload.commit_check import DurableFile
-from sidecar.host.upload.identity import VOLUME_MARKER
+from sidecar.host.upload.identity import VOLUME_MARKER, VolumeIdentity
 from sidecar.host.upload.volume import Cancelled, VolumeDestination
+from sidecar.host.upload.volume_section import MAX_FOLDERS, VolumeSection
 from sidecar.train.client import SidecarClient
 
 REPO = Path(__file__).resolve().parents[3]
@@ -226,6 +228,50 @@ def test_a_daemon_restarted_on_another_volume_refuses_it(tmp_path: Path) -> None
         wait_for(lambda: uploads(daemon.url)["degraded"], timeout=30)
         assert f"its {VOLUME_MARKER} names another volume" in uploads(daemon.url)["error"]
     assert [p.name for p in volume.iterdir()] == [VOLUME_MARKER]
+
+
+def restarted(path: Path, volume: Path) -> VolumeIdentity:
+    identity = VolumeIdentity(volume)
+    state = StateFile(path)
+    state.add(VolumeSection(identity, on_change=state.write))
+    state.load()
+    return identity
+
+
+def test_the_volume_section_keeps_the_identity_and_a_bad_one_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    volume, path = tmp_path / "volume", tmp_path / "state.json"
+    volume.mkdir()
+    identity = VolumeIdentity(volume)
+    state = StateFile(path)
+    state.add(VolumeSection(identity, on_change=state.write))
+    state.load()
+    identity.confirm()  # the first use: the marker written, the state written at once
+    remembered = identity.remembered
+    assert remembered is not None
+    kept = json.loads(path.read_text())["volume"]
+    assert kept == {str(volume): {
+        "volume_id": identity.volume_id, "mount_point": str(remembered.mount.point),
+        "mount_id": remembered.mount.mount_id, "device": os.stat(volume).st_dev}}
+    assert restarted(path, volume).remembered == identity.remembered
+
+    others = {f"/mnt/other-{n}": {**kept[str(volume)], "mount_id": n} for n in range(20)}
+    path.write_text(json.dumps({"version": 1, "volume": {**others, **kept}}))
+    again = restarted(path, volume)
+    assert again.remembered == identity.remembered
+    again.on_change(remembered)  # written back: the newest others, bounded
+    written = json.loads(path.read_text())["volume"]
+    assert len(written) == MAX_FOLDERS + 1 and "/mnt/other-19" in written
+
+    for bad in ({"volume_id": "not an id"}, {"mount_id": True}, {"mount_point": "run"},
+                {"extra": 1}):
+        path.write_text(json.dumps({"version": 1, "volume": {
+            str(volume): {**kept[str(volume)], **bad}}}))
+        with caplog.at_level("WARNING", logger="sidecar.host.statefile"):
+            assert restarted(path, volume).remembered is None
+        assert "ignoring the volume's identity in state file" in caplog.text
+        caplog.clear()
 
 
 # ---------------------------------------------------------------- real mounts (issue 41)
