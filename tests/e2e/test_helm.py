@@ -265,3 +265,90 @@ def test_no_secret_value_reaches_the_pods_annotations(helm: str) -> None:
     assert plain == annotations("token.value=two", "credentials.accessKey=c",
                                 "credentials.secretKey=d")
     assert plain != annotations("token.value=one", "env.ESI_SIDECAR_REGION=cn-beijing")
+
+
+# ---------------------------------------------------------------------- the uploader (issue 39)
+
+
+def pod_of(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    (daemonset,) = by_kind(documents)["DaemonSet"]
+    return dict(daemonset["spec"]["template"]["spec"])
+
+
+def settings_from(container: dict[str, Any]) -> Any:
+    """The daemon's settings from the container's plain env values, as it would load them."""
+    from sidecar.host.settings import load_settings
+
+    env = {item["name"]: item["value"] for item in container["env"] if "value" in item}
+    env["ESI_SIDECAR_LISTEN"] = "127.0.0.1:8791"  # $(HOST_IP) is the kubelet's to expand
+    env["ESI_SIDECAR_TOKEN"] = "0123456789abcdef"  # the Secret's, in the pod
+    return load_settings({}, env)
+
+
+def test_upload_mounts_the_checkpoint_folder_and_sets_the_uploader(helm: str) -> None:
+    documents = render(helm, "upload.to=s3://my-bucket/nodes",
+                       "upload.volume.hostPath.path=/mnt/ckpt",
+                       "upload.volume.hostPath.type=Directory")
+    validate_kubernetes(documents)
+    pod = pod_of(documents)
+    (container,) = pod["containers"]
+    assert container["image"] == f"esi-sidecar:{sidecar.__version__}-upload"  # UPLOAD=1's
+    assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"]
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["checkpoints"]["hostPath"] == {"path": "/mnt/ckpt", "type": "Directory"}
+    assert "checkpoint-destination" not in volumes  # s3: nothing to mount
+    assert container["resources"]["limits"]["memory"] == "1Gi"  # 8 parts of 64 MiB
+    settings = settings_from(container)
+    assert str(settings.upload_from) == "/ckpt"
+    assert settings.upload_to == "s3://my-bucket/nodes"
+
+
+def test_a_file_destination_is_mounted_at_its_path(helm: str) -> None:
+    documents = render(helm, "upload.to=file:///mnt/vepfs/run", "upload.from=/data/ckpt",
+                       "upload.volume.persistentVolumeClaim.claimName=checkpoints",
+                       "upload.toVolume.hostPath.path=/mnt/vepfs/run", "image.tag=mine")
+    validate_kubernetes(documents)
+    pod = pod_of(documents)
+    (container,) = pod["containers"]
+    assert container["image"] == "esi-sidecar:mine"  # a tag given is kept
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts["checkpoints"] == "/data/ckpt"
+    assert mounts["checkpoint-destination"] == "/mnt/vepfs/run"
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "checkpoints"}
+    assert volumes["checkpoint-destination"]["hostPath"] == {"path": "/mnt/vepfs/run"}
+    settings = settings_from(container)
+    assert settings.upload_to == "file:///mnt/vepfs/run"
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    (("upload.to=s3://my-bucket/nodes",), "upload.volume"),
+    (("upload.to=file:///mnt/vepfs/run", "upload.volume.hostPath.path=/mnt/ckpt"),
+     "upload.toVolume"),
+])
+def test_upload_without_its_volume_is_refused_naming_the_value(
+    helm: str, values: tuple[str, ...], named: str
+) -> None:
+    sets = [arg for value in values for arg in ("--set", value)]
+    result = subprocess.run([helm, "template", RELEASE, str(CHART), *sets],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and f"{named}:" in result.stderr, result.stderr
+
+
+def test_the_manifests_upload_lines_make_a_valid_pod() -> None:
+    """deploy/kubernetes/daemonset.yaml: with its ``#+`` lines taken in, the pod mounts the
+    checkpoint folder and the daemon loads the upload settings."""
+    text = MANIFEST.read_text()
+    assert "#+" in text
+    opened = "\n".join(line.replace("#+", "", 1) if line.lstrip().startswith("#+") else line
+                       for line in text.splitlines())
+    documents = [doc for doc in yaml.safe_load_all(opened) if doc]
+    validate_kubernetes(documents)
+    daemonset = next(doc for doc in documents if doc["kind"] == "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    assert mounts["checkpoints"] == "/ckpt" and "hostPath" in volumes["checkpoints"]
+    settings = settings_from(container)
+    assert str(settings.upload_from) == "/ckpt" and settings.upload_to.startswith("s3://")

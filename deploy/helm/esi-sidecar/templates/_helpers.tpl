@@ -19,8 +19,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{- /* With upload on and no tag given, the Dockerfile's UPLOAD=1 variant's tag. */}}
 {{- define "esi-sidecar.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- $default := ternary (printf "%s-upload" .Chart.AppVersion) .Chart.AppVersion (ne .Values.upload.to "") -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default $default) -}}
+{{- end -}}
+
+{{- /* upload.to's folder for a file:// destination ("" for s3://), where toVolume goes. */}}
+{{- define "esi-sidecar.uploadVolumePath" -}}
+{{- if hasPrefix "file://" .Values.upload.to -}}
+{{- (urlParse .Values.upload.to).path -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "esi-sidecar.tokenSecret" -}}
