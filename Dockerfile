@@ -1,4 +1,5 @@
-# esi-sidecar daemon image: `esi-sidecar serve` with the [server] extra only.
+# esi-sidecar daemon image: `esi-sidecar serve` with the [server] extra only. No image is
+# published (no registry holds one): build it here and push it to your own registry.
 #
 #   docker build -t esi-sidecar:0.1.0 .
 #   docker build --build-arg UPLOAD=1 -t esi-sidecar:0.1.0-upload .   # + the uploader

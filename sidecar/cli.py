@@ -307,8 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the host daemon (needs the [server] extra)",
+        # The settings, grouped by topic below, replace argparse's 23-line list of flags.
+        usage="%(prog)s [-h] [--SETTING VALUE ...]",
         description="Poll the deadline sources and serve /v1/expiry, /v1/decision, /healthz "
-        "and /metrics. Every flag has an ESI_SIDECAR_* variable; the flag wins.",
+        "and /metrics. Every flag has an ESI_SIDECAR_* variable; the flag wins. The "
+        "settings by topic: listening, sources (then each source's own), polling, state "
+        "and logging, checkpoint upload.",
     )
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)

@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, Optional
@@ -330,25 +330,34 @@ def _source_rows(*names: str, besides: tuple[str, ...] = ()) -> tuple[Option, ..
     """The rows the sources' specs declare: those of ``names``, or with ``besides``, of
     every source but those (a source added since lands there, in the registry's order)."""
     chosen = names or [name for name in registry.SOURCES if name not in besides]
-    return tuple(option for name in chosen for option in registry.spec(name).options)
+    return tuple(replace(option, group=option.group or registry.spec(name).settings_group)
+                 for name in chosen for option in registry.spec(name).options)
+
+
+# The --help headings of the rows below (a source's rows: "the NAME source").
+GROUP_LISTENING = "listening and access"
+GROUP_SOURCES = "deadline sources"
+GROUP_POLLING = "polling"
+GROUP_STATE = "state and logging"
+GROUP_UPLOAD = "checkpoint upload (docs/upload.md; needs the [upload] extra)"
 
 
 OPTIONS: tuple[Option, ...] = (
     Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
            f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
-           "HOST:PORT", repeatable=True),
+           "HOST:PORT", repeatable=True, group=GROUP_LISTENING),
     Option("token", _token, "the token a peer beyond loopback must send (Authorization: "
            "Bearer); required to --listen on any address but loopback, 16 characters or "
            "more (openssl rand -hex 16); environment only, never logged or served", "TOKEN",
-           env_only=True),
+           env_only=True, group=GROUP_LISTENING),
     Option("token_file", Path, "read the token from this file instead (mode 600, readable "
-           "by the service only)", "PATH"),
+           "by the service only)", "PATH", group=GROUP_LISTENING),
     Option("writes_need_token", parse_boolean, "every request but GET and HEAD needs the "
            "token from loopback too: set it where loopback is not this host alone (a pod with "
            "hostNetwork shares the node's loopback with every pod on it); needs the token: true or "
            "false (default false)",
-           "BOOL"),
-    Option("source", _source_names, _source_help(), "NAME", repeatable=True),
+           "BOOL", group=GROUP_LISTENING),
+    Option("source", _source_names, _source_help(), "NAME", repeatable=True, group=GROUP_SOURCES),
     # The sources' own rows stand where they stood before the specs, so --help and the
     # docs keep their order.
     *_source_rows("volcengine-esi"),
@@ -357,64 +366,70 @@ OPTIONS: tuple[Option, ...] = (
            "aws, gcp and azure keep their own cadence): at least "
            f"{MIN_API_POLL_INTERVAL_SECONDS:g} where the Volcengine OpenAPI is polled, "
            f"{MIN_POLL_INTERVAL_SECONDS:g} with a loopback --api-endpoint (the emulator) or "
-           "sources that call no API", "SECONDS"),
+           "sources that call no API", "SECONDS", group=GROUP_POLLING),
     Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
-           "long (default 3 x poll interval)", "SECONDS"),
+           "long (default 3 x poll interval)", "SECONDS", group=GROUP_POLLING),
     Option("poll_schedule", _poll_schedule, "adaptive (default: while the ESI release is more "
            "than 15 min away, poll every 1/12 of the time left, at most every 15 min; "
            "--poll-interval in the final 15 min; docs/polling.md) or fixed (every "
-           "--poll-interval)", "adaptive|fixed"),
+           "--poll-interval)", "adaptive|fixed", group=GROUP_POLLING),
     Option("max_api_rate", _api_rate, "most OpenAPI calls per hour this host makes, all "
            f"sources together, retries included (default {DEFAULT_MAX_API_RATE:g}; none "
-           "against a loopback --api-endpoint, the emulator); a call over it waits", "CALLS"),
+           "against a loopback --api-endpoint, the emulator); a call over it waits", "CALLS",
+           group=GROUP_POLLING),
     Option("state_file", Path, "where the last good state is kept across restarts (default: "
-           "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH"),
+           "$STATE_DIRECTORY/state.json under systemd, else none)", "PATH", group=GROUP_STATE),
     Option("notice", _notices, "the notice a source's platform gives, SOURCE=SECONDS (or "
            "ahead), repeatable, e.g. gcp=20 (default: each source's own: aws 120, gcp 30 or "
            "15 on a GKE node, azure 30, volcengine-spot 300; docs/protection.md)",
-           "SOURCE=SECONDS", repeatable=True),
-    Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL"),
+           "SOURCE=SECONDS", repeatable=True, group=GROUP_SOURCES),
+    Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL",
+           group=GROUP_STATE),
     *_source_rows("static"),
     Option("timezone", _zone, "time zone for timestamps that carry no offset (default: the "
            "source's platform's, the earliest plausible: UTC+8 for the Volcengine API and "
            "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, UTC for AWS, GCP and "
            "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP; --expires-at needs an "
-           "offset unless this is set)", "ZONE"),
+           "offset unless this is set)", "ZONE", group=GROUP_SOURCES),
     *_source_rows(besides=("volcengine-esi", "static")),  # aws, gcp, azure, ...
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
-           "DIR"),
+           "DIR", group=GROUP_UPLOAD),
     Option("upload_to", _destination, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 "
            "or Volcengine TOS, or file:///PATH on a mounted network volume (vePFS, NAS, NFS); "
-           "one prefix or folder per uploading host", "URL"),
+           "one prefix or folder per uploading host", "URL", group=GROUP_UPLOAD),
     Option("upload_endpoint", _url, "S3 endpoint, e.g. https://tos-s3-cn-beijing.volces.com "
-           "for TOS (default: AWS S3)", "URL"),
+           "for TOS (default: AWS S3)", "URL", group=GROUP_UPLOAD),
     Option("upload_region", _text, "signing region for the upload (default: from a TOS "
-           "endpoint's name, else boto3's chain, else us-east-1)"),
+           "endpoint's name, else boto3's chain, else us-east-1)", group=GROUP_UPLOAD),
     Option("upload_access_key", _text, "access key for the upload (default: boto3's chain: "
            "AWS_ACCESS_KEY_ID, a profile, the instance role); environment only", "KEY",
-           env_only=True),
+           env_only=True, group=GROUP_UPLOAD),
     Option("upload_secret_key", _text, "secret key for the upload, with the access key; "
-           "environment only, never logged or served", "SECRET", env_only=True),
+           "environment only, never logged or served", "SECRET", env_only=True, group=GROUP_UPLOAD),
     Option("upload_concurrency", _positive_int, f"parts and files uploaded at once "
            f"(default {_DEFAULTS.upload_concurrency})",
-           "N"),
+           "N", group=GROUP_UPLOAD),
     Option("upload_part_size", _part_size, f"multipart part size, 5MiB-5GiB "
            f"(default {_DEFAULTS.upload_part_size >> 20}MiB)",
-           "SIZE"),
+           "SIZE", group=GROUP_UPLOAD),
     Option("upload_keep_local", _positive_int, "after an upload, delete local checkpoints "
-           "beyond the N newest that are durable in storage (default: delete nothing)", "N"),
+           "beyond the N newest that are durable in storage (default: delete nothing)", "N",
+           group=GROUP_UPLOAD),
     Option("upload_near_release", _positive_seconds, "when the release is this close, an "
            f"older upload in progress yields to the newest checkpoint "
            f"(default {_DEFAULTS.upload_near_release:g})",
-           "SECONDS"),
+           "SECONDS", group=GROUP_UPLOAD),
     Option("upload_scan_interval", _positive_seconds, "rescan the checkpoint folder this "
-           f"often besides inotify events (default {_DEFAULTS.upload_scan_interval:g})", "SECONDS"),
+           f"often besides inotify events (default {_DEFAULTS.upload_scan_interval:g})", "SECONDS",
+           group=GROUP_UPLOAD),
     Option("upload_max_bandwidth", _bandwidth, "cap the upload at this many bytes per "
            "second, e.g. 200MiB, when the uploader shares the NIC with training (default: "
-           "no cap); the durability estimate uses it until an upload was measured", "RATE"),
+           "no cap); the durability estimate uses it until an upload was measured", "RATE",
+           group=GROUP_UPLOAD),
     Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
-           "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE"),
+           "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE",
+           group=GROUP_UPLOAD),
 )
 
 # Option name -> Settings attribute, where they differ.
@@ -447,12 +462,16 @@ def _chosen(flags: Optional[Mapping[str, Optional[str]]]) -> list[tuple[Option, 
 def add_arguments(
     parser: argparse.ArgumentParser, flags: Optional[Mapping[str, Optional[str]]] = None
 ) -> None:
-    """Add every option (or those in ``flags``, under those names) as a flag. Defaults
-    stay None so we can tell 'not given'."""
+    """Add every option (or those in ``flags``, under those names) as a flag, under its
+    group's heading (``serve``; a command that reads a few, as restore, lists them flat).
+    Defaults stay None so we can tell 'not given'."""
+    groups: dict[str, Any] = {}  # heading -> its argparse group, in the table's order
     for option, flag in _chosen(flags):
         if option.env_only:
             continue
-        parser.add_argument(
+        if flags is None and option.group not in groups:
+            groups[option.group] = parser.add_argument_group(option.group)
+        groups.get(option.group, parser).add_argument(
             flag,
             dest=option.name,
             action="append" if option.repeatable else "store",

@@ -218,3 +218,31 @@ def test_a_static_deadline_without_an_offset_needs_a_time_zone() -> None:
     observation = create_source("static", settings).poll()
     assert observation.expires_at_unix == 1893456000.0
     assert observation.assumed_timezone == "Asia/Shanghai"
+
+
+def test_serve_help_lists_the_settings_by_topic() -> None:
+    """``serve --help`` was 173 lines with no headings (issue 39, item 10): every row of the
+    table has a group, a source's rows its spec's, and --help lists each under its heading
+    with a short usage line."""
+    import argparse
+
+    from sidecar.cli import build_parser
+    from sidecar.host.sources import registry
+
+    assert all(option.group for option in OPTIONS)
+    for spec in registry.specs():
+        for option in spec.options:
+            (row,) = [row for row in OPTIONS if row.name == option.name]
+            assert row.group == spec.settings_group
+    parser = build_parser()
+    serve = next(action for action in parser._actions
+                 if isinstance(action, argparse._SubParsersAction)).choices["serve"]
+    headings = {group.title: [action.dest for action in group._group_actions]
+                for group in serve._action_groups}
+    assert "upload_to" in headings["checkpoint upload (docs/upload.md; needs the [upload] extra)"]
+    assert "listen" in headings["listening and access"]
+    assert "aws_imds_url" in headings["the aws source"]
+    assert "poll_interval" in headings["polling"]
+    assert headings["options"] == ["help"]  # nothing left ungrouped
+    shown = serve.format_help()
+    assert shown.splitlines()[0] == "usage: esi-sidecar serve [-h] [--SETTING VALUE ...]"

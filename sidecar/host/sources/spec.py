@@ -33,6 +33,8 @@ class Option:
     metavar: str = "VALUE"
     repeatable: bool = False
     env_only: bool = False  # secrets: a flag would show in `ps` and shell history
+    # The heading it is listed under in --help (a source's rows: its spec's settings_group).
+    group: str = ""
     # The value when neither flag nor variable is given, for an option that is not a field
     # of Settings (the fields' defaults are Settings()'s, never copied).
     default: Any = None
@@ -67,6 +69,12 @@ class SourceSpec(Generic[C]):
     # the job's step + save + upload against it (sidecar.host.protection); --notice
     # overrides it per source.
     notice_seconds: Optional[float] = None
+    # The --help heading of its options (default: "the NAME source").
+    group: str = ""
+
+    @property
+    def settings_group(self) -> str:
+        return self.group or f"the {self.name} source"
 
 
 # ---------------------------------------------------------------- value parsers
