@@ -172,7 +172,7 @@ def _integer(value: Any, what: str) -> int:
 def read_manifest(folder: Path) -> CheckpointInfo:
     """Parse ``folder/MANIFEST.json`` without looking at the files. Raises :class:`Invalid`."""
     try:
-        raw = (folder / MANIFEST_NAME).read_bytes()
+        raw = read_listed(folder, MANIFEST_NAME)
     except FileNotFoundError:
         raise Invalid(
             f"no {MANIFEST_NAME}: partial save, or not written by atomic_checkpoint"
@@ -219,14 +219,25 @@ _NO_FOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC
 
 def open_listed(folder: Path, relative: str) -> int:
     """Open the file ``relative`` of the checkpoint ``folder`` for reading, following no
-    symbolic link on the way: every sub-folder is opened with ``O_NOFOLLOW`` relative to
-    the one above it, and the file itself must be a regular file. A manifest never lists
-    a link (``sync_checkpoint_files`` leaves them out), so a link found here was put in
-    after the commit, and following it could read any file outside the checkpoint
-    (issue 22, item 3). Returns a file descriptor; raises :class:`Invalid` with the
-    reason, or ``OSError`` when the file cannot be read."""
-    parts = _safe_relative(relative).split("/")
+    symbolic link on the way (:func:`open_under`; the folder itself is taken as given).
+    A manifest never lists a link (``sync_checkpoint_files`` leaves them out), so a link
+    found here was put in after the commit, and following it could read any file outside
+    the checkpoint (issue 22, item 3). Returns a file descriptor; raises :class:`Invalid`
+    with the reason, or ``OSError`` when the file cannot be read."""
     directory = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        return open_under(directory, relative)
+    finally:
+        os.close(directory)
+
+
+def open_under(directory: int, relative: str) -> int:
+    """Open ``relative`` below the open folder ``directory`` (left open): every sub-folder
+    is opened with ``O_NOFOLLOW`` relative to the one above it, and the file itself must
+    be a regular file (a FIFO does not block the open). Returns a file descriptor; raises
+    :class:`Invalid` (a link, a missing file, not a regular file) or ``OSError``."""
+    parts = _safe_relative(relative).split("/")
+    current = directory
     try:
         for index, part in enumerate(parts):
             last = index == len(parts) - 1
@@ -234,12 +245,12 @@ def open_listed(folder: Path, relative: str) -> int:
             if last:
                 flags |= getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block the open
             try:
-                handle = os.open(part, flags, dir_fd=directory)
+                handle = os.open(part, flags, dir_fd=current)
             except FileNotFoundError:
                 raise Invalid(f"file {relative} listed in the manifest is missing") from None
             except OSError as exc:
                 where = "/".join(parts[:index + 1])
-                if exc.errno == errno.ENOTDIR and _is_link(part, directory):
+                if exc.errno == errno.ENOTDIR and _is_link(part, current):
                     exc.errno = errno.ELOOP  # O_DIRECTORY answers ENOTDIR for a link
                 if exc.errno == errno.ELOOP:
                     raise Invalid(f"{where} is a symbolic link: {relative} is not a regular "
@@ -247,16 +258,32 @@ def open_listed(folder: Path, relative: str) -> int:
                 if exc.errno == errno.ENOTDIR:
                     raise Invalid(f"{where} is not a folder (listed: {relative})") from None
                 raise
-            os.close(directory)
-            directory = handle
-        if not stat.S_ISREG(os.fstat(directory).st_mode):
+            if current != directory:
+                os.close(current)
+            current = handle
+        if not stat.S_ISREG(os.fstat(current).st_mode):
             raise Invalid(f"{relative} is not a regular file")
         if hasattr(os, "O_NONBLOCK"):
-            os.set_blocking(directory, True)
+            os.set_blocking(current, True)
     except BaseException:
-        os.close(directory)
+        if current != directory:
+            os.close(current)
         raise
-    return directory
+    return current
+
+
+def read_listed(folder: Path, relative: str) -> bytes:
+    """The bytes of ``folder/relative`` read through :func:`open_listed` (no link
+    followed). A missing file raises ``FileNotFoundError``."""
+    try:
+        handle = open_listed(folder, relative)
+    except Invalid:
+        if not os.path.lexists(Path(folder) / relative):
+            raise FileNotFoundError(
+                errno.ENOENT, "no such file", str(Path(folder) / relative)) from None
+        raise
+    with open(handle, "rb") as reader:
+        return reader.read()
 
 
 def _is_link(name: str, directory: int) -> bool:

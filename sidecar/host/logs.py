@@ -4,20 +4,55 @@ When accept() fails for want of descriptors, asyncio logs the failure with a tra
 once per connection in the backlog, every time it retries: 48 MB in 20 s (issue:
 file-descriptor exhaustion). ``RepeatFilter`` lets the first of identical warnings and
 errors through, then one per interval that says how many were held back.
+
+A log line the job cannot forge: file and folder names come from the training job, and a
+name with a newline would write lines of its own (issue 35). :func:`printable` escapes
+control characters in one text; ``EscapeControls`` does it to every message a handler
+writes (the traceback of ``log.exception`` is kept as it is).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["REPEAT_INTERVAL_SECONDS", "RepeatFilter", "hold_back_repeats"]
+__all__ = ["REPEAT_INTERVAL_SECONDS", "EscapeControls", "RepeatFilter", "hold_back_repeats",
+           "printable"]
 
 REPEAT_INTERVAL_SECONDS = 60.0
 # Distinct messages remembered; the oldest is forgotten first (memory stays bounded).
 REMEMBERED = 256
+# C0 and C1 control characters, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    named = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(char)
+    if named is not None:
+        return named
+    return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\n``, ``\\x1b``):
+    one line, whatever a job named its files."""
+    return _CONTROL.sub(_escape, text)
+
+
+class EscapeControls(logging.Filter):
+    """Writes each record's message with its control characters escaped (``printable``),
+    so no argument can start a line of its own. Always passes the record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        escaped = printable(message)
+        if escaped != message:
+            record.msg, record.args = escaped, None
+        return True
 
 
 class RepeatFilter(logging.Filter):
@@ -55,7 +90,10 @@ class RepeatFilter(logging.Filter):
 
 
 def hold_back_repeats(logger: Optional[logging.Logger] = None) -> None:
-    """Give each handler of ``logger`` (default: the root logger) its own RepeatFilter."""
+    """Give each handler of ``logger`` (default: the root logger) its own RepeatFilter,
+    after an ``EscapeControls`` (one line per record, whatever a job named its files)."""
     for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(found, EscapeControls) for found in handler.filters):
+            handler.addFilter(EscapeControls())
         if not any(isinstance(found, RepeatFilter) for found in handler.filters):
             handler.addFilter(RepeatFilter())

@@ -22,7 +22,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Optional, Protocol
 
-from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry, Invalid, open_listed
+from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry, Invalid
+from sidecar.host.upload.jobfiles import open_job_file
 
 __all__ = [
     "COPY_ATTEMPTS",
@@ -51,9 +52,10 @@ def stat_key(result: os.stat_result) -> StatKey:
 
 
 def current_key(folder: Path, relative: str) -> Optional[StatKey]:
-    """The local file's key now (no link followed), or None when it is not there."""
+    """The local file's key now (``jobfiles``: no link followed), or None when it is not
+    there or may not be read."""
     try:
-        handle = open_listed(folder, relative)
+        handle = open_job_file(folder, relative)
     except (Invalid, OSError):
         return None
     try:
@@ -147,7 +149,7 @@ def reuse(staging: Staging, folder: Path, relative: str, size: int, known_sha256
     if candidate is None or candidate.size != size:
         return None
     try:
-        handle = open_listed(folder, relative)
+        handle = open_job_file(folder, relative)
     except (Invalid, OSError):
         return None
     try:

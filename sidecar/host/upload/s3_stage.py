@@ -29,8 +29,9 @@ from typing import Any, Callable, Optional
 
 from botocore.exceptions import ClientError
 
-from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry, open_listed
+from sidecar.checkpoint.manifest import CheckpointInfo, FileEntry
 from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, stat_key
+from sidecar.host.upload.jobfiles import open_job_file
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_refs import source_key, write_references
 from sidecar.host.upload.storage import (
@@ -107,7 +108,7 @@ class S3Staging:
     def send(self, folder: Path, relative: str, *, on_progress: Callable[[int], None],
              should_stop: Callable[[], Optional[str]]) -> Optional[StagedFile]:
         self.drop(relative)
-        handle = open_listed(folder, relative)
+        handle = open_job_file(folder, relative)
         upload_id: Optional[str] = None
         self._file_sent = 0
         try:

@@ -149,12 +149,15 @@ class UploadTracker:
             self._records.pop(name, None)
 
     def add_progress(self, name: str, count: int) -> None:
-        """Bytes sent for ``name`` (negative when boto3 rewinds a retried part)."""
+        """Bytes sent for ``name`` (negative when boto3 rewinds a retried part). A file
+        sent again (changed after it was streamed, or a retried part) counts its bytes
+        again: ``bytes_done`` stays within ``[0, bytes_total]`` (issue 35)."""
         with self._lock:
             self._bytes_sent += max(0, count)
             old = self._records.get(name)
             if old is not None:
-                self._records[name] = replace(old, bytes_done=max(0, old.bytes_done + count))
+                done = min(old.bytes_total, max(0, old.bytes_done + count))
+                self._records[name] = replace(old, bytes_done=done)
 
     def record_done(self, name: str, *, duration: Optional[float], note: Optional[str],
                     sent_after_save: Optional[int] = None, sent: Optional[int] = None,

@@ -14,10 +14,16 @@ the folder changes (inotify) or the next rescan.
   seconds below ``near_release_seconds``) it yields at once to the newest checkpoint,
   unless both still end before the release, this one first (the final checkpoint, then
   the top-up save after it). The rule and the estimate are ``plan``'s, the simulator's too.
-- Pins. ``.uploading`` is written into the local folder before the first byte goes and
+- Pins. ``.uploading`` is created in the local folder before the first byte goes and
   removed after, so ``atomic_checkpoint(keep_last=...)`` never deletes a folder that is
-  being uploaded. A daemon killed mid-upload leaves its marker; the next start removes
-  markers it wrote, and uploads that folder again if it is still the one to upload.
+  being uploaded. It is created exclusively without following a link and removed only
+  while it is still the file this run created (``jobfiles.pin``); an entry of that name
+  already there is left alone (it pins the folder as well). A daemon killed mid-upload
+  leaves its marker; the next start removes markers it wrote (``clear_stale_pin``), and
+  uploads that folder again if it is still the one to upload.
+- The job's files are hostile input: every one is read through ``jobfiles``; a file it
+  refuses (a link, hard-linked, another user's) makes the checkpoint not durable, with
+  one reason line (state ``skipped``) until the job saves it again.
 - Failures. An attempt that fails is retried after an exponential backoff with jitter
   (``backoff_base_seconds`` doubling up to ``backoff_cap_seconds``, times 0.5-1.0); the
   status says degraded with the error until a storage call succeeds again. Local
@@ -41,12 +47,14 @@ from typing import Any, Callable, Optional, Protocol
 
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
 from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER, Invalid
+from sidecar.host.logs import printable
 from sidecar.host.settings import (
     DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
     DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
 )
 from sidecar.host.upload import plan
 from sidecar.host.upload.commit_check import DurableFile, Staging, reuse
+from sidecar.host.upload.jobfiles import Pin, Refused, clear_stale_pin, pin, read_job_file, unpin
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.probe import LinkProbe
 from sidecar.host.upload.status import UploadRecord, UploadTracker
@@ -114,6 +122,7 @@ _MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader wr
 # interrupted: if it comes back, it is considered again).
 _GONE = "the local checkpoint is gone"
 _INVALID = "not valid: "  # then why: considered again when it is valid again
+_REFUSED = "not durable: "  # then which job file was refused: again once saved again
 
 
 @dataclass(frozen=True)
@@ -341,17 +350,24 @@ class Uploader:
         # replaced by a link (issue 22, item 3). Partial saves are not worth a line.
         refused = {listing.path.name: listing.reason or "not valid" for listing in listings
                    if listing.info is None and os.path.lexists(listing.path / MANIFEST_NAME)}
+        manifests: dict[str, bytes] = {}
+        for info in local:
+            try:
+                manifests[info.name] = read_job_file(info.path, MANIFEST_NAME)
+            except Invalid as exc:
+                refused[info.name] = str(exc)
+            except OSError:
+                continue  # went away between the listing and now
         for name, reason in refused.items():
             if self._refused.get(name) != reason:  # once per checkpoint and reason
-                log.warning("not uploading %s: %s", name, reason)
+                log.warning("not uploading %s: %s", printable(name), printable(reason))
         self._refused = refused
         seen = set()
         for info in local:
+            if info.name not in manifests:
+                continue
             seen.add(info.name)
-            try:
-                raw = (info.path / MANIFEST_NAME).read_bytes()
-            except OSError:
-                continue  # went away between the listing and now
+            raw = manifests[info.name]
             digest = manifest_digest(raw)
             old = self.tracker.get(info.name)
             if old is not None and old.digest == digest and old.note != _GONE \
@@ -401,9 +417,9 @@ class Uploader:
     def _attempt(self, record: UploadRecord) -> None:
         folder = self.config.root / record.name
         try:
-            raw = (folder / MANIFEST_NAME).read_bytes()
-            inode = os.stat(folder).st_ino
-        except OSError:
+            raw = read_job_file(folder, MANIFEST_NAME)
+            inode = os.stat(folder, follow_symlinks=False).st_ino
+        except (OSError, Invalid):
             self.tracker.update(record.name, state="skipped", note=_GONE)
             return
         if manifest_digest(raw) != record.digest:
@@ -423,6 +439,7 @@ class Uploader:
         )
         started = time.monotonic()
         pinned = self._pin(folder)
+        shown = printable(record.name)
         try:
             remote = self.destination.remote_manifest(record.name)
             self.tracker.storage_ok()
@@ -455,13 +472,17 @@ class Uploader:
             log.info("upload of %s stopped: %s", record.name, exc)
         except _Stale as exc:
             self.tracker.update(record.name, state="pending", note=str(exc), bytes_done=0)
-            log.info("upload of %s restarts: %s", record.name, exc)
+            log.info("upload of %s restarts: %s", shown, exc)
+        except Refused as exc:  # the job's folder holds a file the daemon must not read
+            self.tracker.update(record.name, state="skipped", retry_at_unix=None,
+                                note=_REFUSED + str(exc), bytes_done=0)
+            log.warning("%s is not durable: %s", shown, exc)
         except Exception as exc:
             self._failed(record.name,
                          self.destination.describe_error(exc, f"uploading {record.name}"))
         finally:
-            if pinned:
-                self._unpin(folder)
+            if pinned is not None:
+                self._unpin(pinned)
         self._skip_superseded()
         after = self.tracker.get(record.name)
         if after is not None and after.state == "done":
@@ -473,9 +494,9 @@ class Uploader:
         sent (or copied from the last durable checkpoint). Returns the bytes sent now."""
         def unchanged() -> None:
             try:
-                same = (os.stat(folder).st_ino == inode
-                        and manifest_digest((folder / MANIFEST_NAME).read_bytes()) == record.digest)
-            except OSError:
+                same = (os.stat(folder, follow_symlinks=False).st_ino == inode
+                        and manifest_digest(read_job_file(folder, MANIFEST_NAME)) == record.digest)
+            except (OSError, Invalid):
                 same = False
             if not same:
                 raise _Stale("the local checkpoint was replaced or removed during the upload")
@@ -610,35 +631,27 @@ class Uploader:
 
     # ------------------------------------------------------------------ local chores
 
-    def _pin(self, folder: Path) -> bool:
+    def _pin(self, folder: Path) -> Optional[Pin]:
+        """Pin ``folder`` while it uploads (``jobfiles.pin``: never through a path). An
+        upload goes on unpinned when the pin cannot be made: a job's entry of that name
+        pins it already, and the daemon's own retention keeps what it has not settled."""
         text = f"{_MARKER_TEXT} pid={os.getpid()} since={self._clock():.0f}\n"
-        try:
-            (folder / MARKER_NAME).write_text(text, encoding="utf-8")
-        except OSError as exc:
-            log.warning("could not pin %s while uploading it: %s", folder, exc)
-            return False
-        return True
+        made, what = pin(folder, text)
+        if made is None:
+            log.info("not pinning %s while it uploads: %s", printable(folder.name), what)
+        return made
 
-    def _unpin(self, folder: Path) -> None:
-        try:
-            (folder / MARKER_NAME).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove %s: %s", folder / MARKER_NAME, exc)
+    def _unpin(self, made: Pin) -> None:
+        problem = unpin(made)
+        if problem is not None:
+            log.warning("%s", problem)
 
     def _clear_stale_markers(self) -> None:
         """Markers an earlier (killed) run left: they would pin folders for ever."""
         for listing in list_checkpoints(self.config.root):
-            marker = listing.path / MARKER_NAME
-            try:
-                text = marker.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if text.startswith(_MARKER_TEXT):
-                self._unpin(listing.path)
+            if clear_stale_pin(listing.path, _MARKER_TEXT):
                 log.info("removed the stale %s left in %s by an earlier run", MARKER_NAME,
-                         listing.path)
+                         printable(str(listing.path)))
 
     def _keep_local(self) -> None:
         keep = self.config.keep_local

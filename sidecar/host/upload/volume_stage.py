@@ -31,8 +31,9 @@ from typing import Callable, Optional
 
 from sidecar.checkpoint.durable import fsync_path, sync_tree, write_durably
 from sidecar.checkpoint.leftovers import writer_tag
-from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, open_listed
+from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo
 from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, stat_key
+from sidecar.host.upload.jobfiles import open_job_file
 
 __all__ = [
     "READ_ONLY",
@@ -154,7 +155,7 @@ class VolumeStaging:
         throttle = Throttle(self.max_bandwidth)  # per file: no credit from idle time
         hasher = hashlib.sha256()
         count = 0
-        with open(open_listed(folder, relative), "rb", buffering=0) as reader, \
+        with open(open_job_file(folder, relative), "rb", buffering=0) as reader, \
                 _NewFile(target) as writer:
             before = stat_key(os.fstat(reader.fileno()))
             try:
