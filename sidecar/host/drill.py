@@ -99,8 +99,9 @@ def _rfc3339(unix: float) -> str:
 
 
 def live_jobs(jobs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
-    """The jobs (``/v1/events``' ``jobs``) heard within JOB_SILENT_SECONDS, not stopped."""
-    return [job for job in jobs if job.get("state") != "stopped"
+    """The jobs (``/v1/events``' ``jobs``) heard within JOB_SILENT_SECONDS, neither stopped
+    nor finished."""
+    return [job for job in jobs if job.get("state") not in ("stopped", "finished")
             and job.get("last_event_at_unix") is not None
             and now - job["last_event_at_unix"] <= JOB_SILENT_SECONDS]
 
@@ -159,7 +160,8 @@ class DrillBoard:
         live = live_jobs(jobs, now)
         if not live:
             raise DrillRefused(409, "no-job", "no job answers this daemon: none sent an "
-                               f"event in the last {JOB_SILENT_SECONDS:.0f} s")
+                               f"event in the last {JOB_SILENT_SECONDS:.0f} s, or each said "
+                               "it stopped or finished")
         if lead_seconds is None:
             lead_seconds = default_lead(live)
             if lead_seconds is None:

@@ -47,7 +47,7 @@ __all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "problem_lin
 log = logging.getLogger("sidecar.host.events")
 
 KINDS = ("step-estimate", "save-started", "save-finished", "durable", "not-durable",
-         "too-late", "waiting", "resumed", "stop", "drill")
+         "too-late", "waiting", "resumed", "stop", "drill", "finished")
 HISTORY_LENGTH = 500
 MAX_EVENTS_PER_REQUEST = 100
 MAX_BODY_BYTES = 64 * 1024
@@ -89,8 +89,10 @@ UnixTime = Annotated[float, Field(ge=_EARLIEST_UNIX, le=_LATEST_UNIX, allow_inf_
 # Printable, one line: what a log line or a dashboard shows as is.
 Text = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^[^\x00-\x1f\x7f]*$")]
 JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
-SaveKind = Literal["final", "top-up", "routine", "fallback"]
-JobState = Literal["training", "saving", "waiting", "stopped"]
+# "drill": the save made for a fire drill's deadline (docs/drill.md), not a release's.
+SaveKind = Literal["final", "top-up", "routine", "fallback", "drill"]
+# "finished": the job said it ended (its guard's ``finished`` event): no longer running.
+JobState = Literal["training", "saving", "waiting", "stopped", "finished"]
 
 
 class JobEvent(BaseModel):
@@ -113,7 +115,7 @@ class JobEvent(BaseModel):
     save_seconds: Optional[Seconds] = None  # the save estimate the rule used
     budget_seconds: Optional[Seconds] = None  # step + save (+ upload) + margin
     remaining_seconds: Optional[SignedSeconds] = None  # as the job saw it, at at_unix
-    released: Optional[bool] = None  # stop: because the release came
+    released: Optional[bool] = None  # stop, finished: because the release came
     reason: Optional[Text] = None
     drill: Optional[DrillReport] = None  # drill: the guard's figures (sidecar.host.drill)
 
@@ -166,7 +168,8 @@ class Summary(BaseModel):
 
 _STORED = TypeAdapter(Annotated[list[StoredEvent], Field(max_length=HISTORY_LENGTH)])
 _STATES: dict[str, JobState] = {"save-started": "saving", "save-finished": "training",
-                                "waiting": "waiting", "resumed": "training", "stop": "stopped"}
+                                "waiting": "waiting", "resumed": "training", "stop": "stopped",
+                                "finished": "finished"}
 
 
 _JOBS = TypeAdapter(Annotated[list[Summary], Field(max_length=MAX_TRACKED_JOBS)])
@@ -175,7 +178,7 @@ _JOBS = TypeAdapter(Annotated[list[Summary], Field(max_length=MAX_TRACKED_JOBS)]
 def carries_a_save(kind: str, save: Optional[str]) -> bool:
     """A save, a durable checkpoint or its loss, or the final or top-up save starting:
     what a job's summary must never miss."""
-    return kind in SAVE_KINDS or save in ("final", "top-up")
+    return kind in SAVE_KINDS or save in ("final", "top-up", "drill")
 
 
 class EventHistory:

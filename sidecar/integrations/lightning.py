@@ -4,6 +4,7 @@
     esi = EsiCheckpointCallback(dirpath="ckpt", policy=SavePolicy(save_seconds=90))
     trainer = lightning.Trainer(..., callbacks=[esi])
     trainer.fit(model, ckpt_path=latest_checkpoint("ckpt"))   # None: from scratch
+    esi.exit_if_released()   # exit 75 after a stop for the release: the launcher resumes
 
 The decision point is the end of a training batch that completed an optimizer step
 (``trainer.global_step`` moved; batches that only accumulate gradients are skipped, since
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from sidecar.checkpoint.durable import fsync_path, sync_tree
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.train.guard import CheckpointGuard
+from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
 if TYPE_CHECKING:
@@ -176,6 +177,18 @@ class EsiCheckpointCallback(Callback):
             self._stop(trainer, guard)
         # Neither the save nor a wait for the release (a renewal resumes) is a step.
         self._since = self._monotonic()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:  # the daemon no longer counts the job as running
+            self.guard.finish("training ended" if not self.stopped
+                              else "training stopped for the release")
+
+    def exit_if_released(self) -> None:
+        """After ``trainer.fit()``: ``raise SystemExit(EXIT_RELEASED)`` (75) when this
+        callback stopped training for the release, so that the launcher resumes the job
+        on the next machine instead of taking exit 0 for the end of training."""
+        if self.stopped:
+            raise SystemExit(EXIT_RELEASED)
 
     def _stop(self, trainer: Any, guard: CheckpointGuard) -> None:
         if guard.should_stop():  # collective; may wait for the release

@@ -1,7 +1,10 @@
 """Hugging Face ``Trainer`` callback: save before the machine is released, then stop.
 
     from sidecar.integrations.transformers import EsiCheckpointCallback
-    trainer = Trainer(..., callbacks=[EsiCheckpointCallback()])
+    esi = EsiCheckpointCallback()
+    trainer = Trainer(..., callbacks=[esi])
+    trainer.train()
+    esi.exit_if_released()   # exit 75 after a stop for the release: the launcher resumes
 
 How it maps onto the Trainer's events:
 
@@ -49,7 +52,7 @@ from transformers import TrainerCallback
 
 from sidecar.checkpoint.durable import replace_atomically
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
-from sidecar.train.guard import CheckpointGuard
+from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
 
 __all__ = ["GUARD_STATE_FILE", "EsiCheckpointCallback", "latest_complete_checkpoint"]
@@ -196,6 +199,19 @@ class EsiCheckpointCallback(TrainerCallback):
         # Neither the save nor a wait for the release (a renewal resumes) is a step.
         self._since = self._monotonic()
         return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.guard is not None:  # the daemon no longer counts the job as running
+            self.guard.finish("training ended" if not self.stopped
+                              else "training stopped for the release")
+        return control
+
+    def exit_if_released(self) -> None:
+        """After ``trainer.train()``: ``raise SystemExit(EXIT_RELEASED)`` (75) when this
+        callback stopped training for the release, so that the launcher resumes the job
+        on the next machine instead of taking exit 0 for the end of training."""
+        if self.stopped:
+            raise SystemExit(EXIT_RELEASED)
 
     def _stop(self, guard: CheckpointGuard, control: Any) -> None:
         if guard.should_stop():  # collective; may wait for the release

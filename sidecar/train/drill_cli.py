@@ -3,8 +3,9 @@ print each verdict and its figures (docs/drill.md).
 
 Standard library only, like ``esi-sidecar status``. Exit status: 0 every drill passed (or,
 without ``--wait``, every drill started), 1 one failed (or was called off by a real
-deadline), 2 refused or a usage error, 3 no job answered (none runs against a daemon, or
-none reported by the drill deadline + grace), 4 a daemon unreachable.
+deadline), 2 refused or a usage error, 3 no job answered (no job is running: said at
+once, without waiting; or none reported by the drill deadline + grace), 4 a daemon
+unreachable. ``--wait`` prints where the drill stands every PROGRESS_SECONDS.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -22,10 +24,12 @@ from typing import Any, Optional
 from sidecar.train.client import ENV_TOKEN, SidecarClient
 
 __all__ = ["EXIT_FAIL", "EXIT_NO_ANSWER", "EXIT_PASS", "EXIT_REFUSED", "EXIT_UNREACHABLE",
-           "cmd_drill", "describe_drill", "drill_request", "exit_code", "late_seconds"]
+           "cmd_drill", "describe_drill", "drill_request", "exit_code", "late_seconds",
+           "progress_line", "unreachable_reason"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED, EXIT_NO_ANSWER, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 POLL_SECONDS = 0.5
+PROGRESS_SECONDS = 10.0  # --wait says where the drill stands this often
 WAIT_SLACK_SECONDS = 30.0  # beyond the drill deadline + the daemon's grace
 
 
@@ -51,7 +55,22 @@ def drill_request(url: str, method: str, body: Optional[dict[str, Any]] = None,
             except ValueError:
                 return exc.code, {"error": f"HTTP {exc.code}"}
     except (OSError, ValueError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, unreachable_reason(exc, timeout)
+
+
+def unreachable_reason(exc: BaseException, timeout: float) -> str:
+    """Why a daemon could not be asked, in a few words: ``connection refused``, ``no
+    answer within 5 s``, the resolver's or the socket's own message; never a repr."""
+    reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"no answer within {timeout:g} s"
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused (is `esi-sidecar serve` running?)"
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror[:1].lower() + reason.strerror[1:]
+    if isinstance(exc, ValueError) and not isinstance(exc, urllib.error.URLError):
+        return f"not a JSON answer ({exc})"[:200]
+    return str(reason)[:200] or type(exc).__name__
 
 
 def _seconds(value: Any) -> str:
@@ -117,22 +136,37 @@ def _start(url: str, lead: Optional[float], timeout: float) -> tuple[int, Option
     status, body = drill_request(url, "POST", {} if lead is None else {"in_seconds": lead},
                                  timeout)
     if status is None:
-        print(f"esi-sidecar drill: {url}: cannot reach the daemon ({body})", file=sys.stderr)
+        print(f"esi-sidecar drill: {url}: cannot reach the daemon: {body}", file=sys.stderr)
         return EXIT_UNREACHABLE, None
     if status != 201 or not isinstance(body, dict):
         error = body.get("error") if isinstance(body, dict) else body
-        reason = body.get("reason") if isinstance(body, dict) else None
-        print(f"esi-sidecar drill: {url}: refused (HTTP {status}): {error}",
-              file=sys.stdout if reason == "no-job" else sys.stderr)
-        return (EXIT_NO_ANSWER if reason == "no-job" else EXIT_REFUSED), None
+        if isinstance(body, dict) and body.get("reason") == "no-job":
+            # Nothing to rehearse: said at once, exit 3 (docs/drill.md).
+            print(f"esi-sidecar drill: {url}: no job is running - {error}")
+            return EXIT_NO_ANSWER, None
+        print(f"esi-sidecar drill: {url}: refused (HTTP {status}): {error}", file=sys.stderr)
+        return EXIT_REFUSED, None
     at = time.strftime("%H:%M:%S", time.localtime(body["expires_at_unix"]))
     print(f"{body['id']} started on {url}: drill deadline in {body['lead_seconds']:.0f} s "
           f"(at {at}); verdict by {body['grace_seconds']:.0f} s after it", flush=True)
     return EXIT_PASS, body
 
 
+def progress_line(drill_id: str, expires_at_unix: float, verdict_by_unix: float,
+                  now: float) -> str:
+    """Where a drill stands, for ``--wait`` while no verdict has come."""
+    if now < expires_at_unix:
+        return (f"{drill_id}: waiting for the job's save: drill deadline in "
+                f"{expires_at_unix - now:.0f} s")
+    return (f"{drill_id}: drill deadline passed {now - expires_at_unix:.0f} s ago; waiting "
+            f"for the job's report (no answer after {max(0.0, verdict_by_unix - now):.0f} s "
+            "more)")
+
+
 def _wait(url: str, started: dict[str, Any], timeout: float) -> int:
-    give_up = started["expires_at_unix"] + started["grace_seconds"] + WAIT_SLACK_SECONDS
+    verdict_by = started["expires_at_unix"] + started["grace_seconds"]
+    give_up = verdict_by + WAIT_SLACK_SECONDS
+    said_at = time.monotonic()
     while True:
         status, body = drill_request(url, "GET", timeout=timeout)
         mine = None
@@ -146,6 +180,10 @@ def _wait(url: str, started: dict[str, Any], timeout: float) -> int:
             if mine.get("result") is not None:
                 print("\n".join(describe_drill(mine)))
                 return exit_code(mine)
+        if time.monotonic() - said_at >= PROGRESS_SECONDS:
+            said_at = time.monotonic()
+            print(progress_line(started["id"], started["expires_at_unix"], verdict_by,
+                                time.time()), flush=True)
         if time.time() > give_up:
             print(f"{started['id']}: FAIL: no answer - no verdict from {url} by "
                   f"{WAIT_SLACK_SECONDS:.0f} s after the grace")

@@ -27,10 +27,13 @@ events (``job_events``).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, TypeVar
 
@@ -221,6 +224,9 @@ class CheckpointGuard:
         self._loop = LoopTimer(monotonic)  # what step() records: the pass, not the span
         self.wait_for_release = wait_for_release
         self.released = False  # should_stop() returned True because the release came
+        # should_stop() said leave (the release, a SIGTERM): exit_if_released() exits 75.
+        self.stopped = False
+        self._finished = False  # the "finished" event went out (finish())
         self.sigterm: Optional[SigtermDeadline] = None
         if sigterm_grace_seconds is not None:
             self.sigterm = SigtermDeadline(sigterm_grace_seconds, clock)
@@ -245,6 +251,8 @@ class CheckpointGuard:
         self._notes = DecisionNotes(logger, self._events)
         self._routine = RoutineSaves.asking(self._tracker, self.policy.routine_seconds, logger,
                                             monotonic)
+        if events:  # a job that ends without a release says so (docs/events.md, finished)
+            atexit.register(_finish_at_exit, weakref.ref(self))
 
     @property
     def client(self) -> SidecarClient:
@@ -442,6 +450,37 @@ class CheckpointGuard:
         (False: training goes on, the rule re-arms); without it, True right after the final
         save. Collective with a reducer: every rank leaves together. Never for a drill.
         """
+        stop = self._should_stop()
+        self.stopped = self.stopped or stop
+        return stop
+
+    def exit_if_released(self) -> None:
+        """``raise SystemExit(EXIT_RELEASED)`` (75) when :meth:`should_stop` said leave
+        (the release came, or a SIGTERM): call it after the loop, ``trainer.fit()`` or
+        ``trainer.train()``, so that a launcher (``esi-sidecar run``, SkyPilot, a
+        Kubernetes Job) resumes the job on the next machine instead of taking it for
+        finished. A job that ended on its own returns."""
+        if self.stopped:
+            logger.info("leaving with exit status %d: stopped for the release",
+                        EXIT_RELEASED)
+            raise SystemExit(EXIT_RELEASED)
+
+    def finish(self, reason: str = "training ended", *, flush: bool = False) -> None:
+        """Tell the daemon the job ended (one ``finished`` event), so that it no longer
+        counts it as running: a drill is then refused at once. The callbacks call it at
+        the end of training; every guard at the interpreter's exit. ``flush``: send the
+        queued events now (within two of the client's timeouts)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._events.send("finished", released=self.released or None, reason=reason)
+        if flush:
+            close = getattr(self.client, "close", None)
+            if close is not None:
+                with suppress(Exception):  # a client given by the caller; never at exit
+                    close()
+
+    def _should_stop(self) -> bool:
         verdict = self._agree()
         if self._drill.holds():  # a drill: the save is real, the stop never is (drill.py)
             return False
@@ -573,3 +612,15 @@ class CheckpointGuard:
 
     def _sigterm_deadline(self) -> Optional[float]:
         return None if self.sigterm is None else self.sigterm.deadline()
+
+
+def _finish_at_exit(guard_ref: weakref.ref[CheckpointGuard]) -> None:
+    """At the interpreter's exit: a guard that decided at least once says the job ended,
+    and how (an exception the interpreter printed, else a normal end)."""
+    guard = guard_ref()
+    if guard is None or guard._agreed is None:
+        return
+    failure = getattr(sys, "last_value", None)
+    reason = ("the process exited" if failure is None
+              else f"the process ended with {type(failure).__name__}")
+    guard.finish(reason, flush=True)
