@@ -6,6 +6,7 @@ Standard library only: it runs in a training container with the base install.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -15,7 +16,7 @@ from sidecar.models import Expiry
 from sidecar.train.client import SidecarClient
 
 __all__ = [
-    "EXIT_NOT_HEALTHY", "EXIT_UNKNOWN", "UsageError", "cmd_status", "describe",
+    "EXIT_NOT_HEALTHY", "EXIT_UNKNOWN", "SayOnce", "UsageError", "cmd_status", "describe",
     "describe_job", "describe_protection", "describe_sources", "describe_uploads",
     "fetch_expiry", "format_duration",
 ]
@@ -96,7 +97,8 @@ def _notice_line(notice: dict[str, Any]) -> str:
 
 
 def describe_sources(health: Any) -> list[str]:
-    """Which sources run and which --source auto left out, from a /healthz body."""
+    """Which sources run and which --source auto left out, from a /healthz body: those
+    whose service is not here on one line (why: /healthz), those refused one line each."""
     if not isinstance(health, dict):
         return []
     running = health.get("sources")
@@ -105,9 +107,40 @@ def describe_sources(health: Any) -> list[str]:
     if isinstance(running, dict) and running:
         lines.append("sources: " + ", ".join(sorted(running)))
     if isinstance(skipped, dict) and skipped:
-        lines.append("not on this machine:")
-        lines.extend(f"  {name:<18} {reason}" for name, reason in sorted(skipped.items()))
+        refused = {name: str(reason) for name, reason in skipped.items()
+                   if str(reason).startswith(_REFUSED)}
+        absent = sorted(name for name in skipped if name not in refused)
+        if absent:
+            lines.append(f"not on this machine: {', '.join(absent)} (why: /healthz)")
+        lines.extend(f"left out: {name:<18} {reason[len(_REFUSED):]}"
+                     for name, reason in sorted(refused.items()))
     return lines
+
+
+# How the daemon marks a source whose service answered but refused (host/sources/auto.py).
+_REFUSED = "refused: "
+# A source's "no <cloud> credentials: set ..." sentence, up to the daemon's retry note.
+_CREDENTIALS = re.compile(r"no (\w+) credentials: .*?(?= \(asked again|$)")
+
+
+class SayOnce:
+    """Shortens a credentials sentence already said (issue 39: `status` repeated the same
+    one five times, once per source that needs those credentials)."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def line(self, text: str) -> str:
+        def once(match: re.Match[str]) -> str:
+            if match.group(0) in self.said:
+                return f"no {match.group(1)} credentials (as above)"
+            self.said.add(match.group(0))
+            return match.group(0)
+
+        return _CREDENTIALS.sub(once, text)
+
+    def lines(self, texts: list[str]) -> list[str]:
+        return [self.line(text) for text in texts]
 
 
 # ---------------------------------------------------------------------- commands
@@ -208,6 +241,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if expiry is None:
         return EXIT_UNKNOWN
     health = health if _is_healthy(health) else _health(args)
+    once = SayOnce()
     if args.json:
         import json
 
@@ -215,16 +249,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         # The verdicts before the sources: scripts read the sources' lines last
         # (the drills' lines follow only once a drill ran).
-        print("\n".join(describe(expiry)
-                        + describe_protection(_get_json(args, "/v1/protection"))
-                        + describe_sources(health)
-                        + describe_drills(_get_json(args, "/v1/drill"))))
+        print("\n".join(once.lines(describe(expiry)
+                                  + describe_protection(_get_json(args, "/v1/protection"))
+                                  + describe_sources(health)
+                                  + describe_drills(_get_json(args, "/v1/drill")))))
     if _is_healthy(health):
         return 0
     verdict = health.get("status", "?") if isinstance(health, dict) else "no /healthz answer"
     reason = health.get("reason") if isinstance(health, dict) else None
-    print(f"esi-sidecar: the daemon is not healthy: {verdict}" + (f": {reason}" if reason
-          else ""), file=sys.stderr)
+    print(once.line(f"esi-sidecar: the daemon is not healthy: {verdict}"
+                    + (f": {reason}" if reason else "")), file=sys.stderr)
     return EXIT_NOT_HEALTHY
 
 
@@ -260,12 +294,13 @@ def _watch(args: argparse.Namespace) -> int:
                 lines = [f"daemon unreachable: {client.last_error or 'no answer'} "
                          "(still trying)"]
             else:
-                lines = (describe(expiry) + describe_sources(_health(args))
-                         + describe_job(_get_json(args, "/v1/events?limit=0"))
-                         + describe_uploads(_get_json(args, "/v1/uploads?limit=0"))
-                         + describe_protection(_get_json(args, "/v1/protection"))
-                         # the drill under way or the last one, as `status` shows it
-                         + describe_drills(_get_json(args, "/v1/drill")))
+                lines = SayOnce().lines(
+                    describe(expiry) + describe_sources(_health(args))
+                    + describe_job(_get_json(args, "/v1/events?limit=0"))
+                    + describe_uploads(_get_json(args, "/v1/uploads?limit=0"))
+                    + describe_protection(_get_json(args, "/v1/protection"))
+                    # the drill under way or the last one, as `status` shows it
+                    + describe_drills(_get_json(args, "/v1/drill")))
             stamp = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + f"esi-sidecar status --watch   {stamp}   "
