@@ -324,24 +324,25 @@ check_python() {
 	check_interpreter_visible "$python"
 }
 
-# The venv's bin/python links to the base interpreter. ProtectHome=yes and PrivateTmp=yes
-# in the unit hide /root, /home, /run/user and /tmp from the service, so a base there
-# (pyenv, conda, a user's build) makes systemd fail with the opaque 203/EXEC.
+# The venv's bin/python links to the base interpreter. PrivateTmp=yes in the unit gives the
+# service a /tmp of its own, so a base under /tmp or /var/tmp makes systemd fail with the
+# opaque 203/EXEC. One under a home (pyenv, conda) is fine: `esi-sidecar install` writes
+# the unit with ProtectHome=tmpfs and that interpreter's folders bound in, read-only.
 check_interpreter_visible() { # check_interpreter_visible PYTHON
 	local base
 	base=$("$1" -c 'import os, sys
 print(os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable))' 2>/dev/null) ||
 		return 0
 	case $base in
-	/root/* | /home/* | /run/user/* | /tmp/* | /var/tmp/*) ;;
+	/tmp/* | /var/tmp/*) ;;
 	*) return 0 ;;
 	esac
-	local message="the venv would run ${base}, which the unit's ProtectHome=/PrivateTmp= hide from the service"
+	local message="the venv would run ${base}, which the unit's PrivateTmp= hides from the service"
 	if [[ -n $root ]] || ((venv_only)); then
 		warn "$message"
 		return 0
 	fi
-	die "$EXIT_USAGE" "$message; use a system interpreter: --python /usr/bin/python3" \
+	die "$EXIT_USAGE" "$message; use an interpreter outside /tmp: --python /usr/bin/python3" \
 		"(apt-get install python3 python3-venv)"
 }
 
@@ -483,7 +484,11 @@ write_env_lines() {
 # the install here, not the service at every restart.
 validate_env() { # validate_env FILE
 	if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import sidecar.host.settings' 2>/dev/null; then
-		say "note: not checking the settings (esi-sidecar is not installed in $venv yet)"
+		if ((dry_run)); then
+			say "note: the settings are checked by the installed package; a dry run installs none"
+		else
+			say "note: not checking the settings ($venv has no esi-sidecar to check them with)"
+		fi
 		return 0
 	fi
 	"$venv/bin/python" - "$1" <<'PY'
@@ -586,7 +591,7 @@ install_unit() {
 }
 
 manual_start_hint() {
-	local command="the unit's ExecStart= (esi-sidecar is not installed yet)"
+	local command="$prefix/bin/esi-sidecar serve" # the packaged unit's, until one is written
 	if [[ -f $work/unit ]]; then
 		command=$(exec_start "$work/unit")
 	fi

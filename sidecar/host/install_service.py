@@ -7,8 +7,12 @@ deploy/esi-sidecar.service stays the one source of the unit, and this module the
 place that writes it: install.sh runs ``<venv>/bin/esi-sidecar install --unit-only`` after
 it made the venv (it writes its own env file from its flags and starts the service).
 
+An ``esi-sidecar`` run by an interpreter under a home folder (pyenv, conda, a venv made
+from them) gets a unit that keeps just those folders readable (:mod:`home_paths`).
+
 Standard library only. With ``--root DIR`` every path is written under DIR and systemctl
-is never called (tests, image builds); ``--print`` writes nothing.
+is never called (tests, image builds); ``--print`` writes nothing and always shows the
+unit, a problem with it said on stderr.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
+
+from sidecar.host.home_paths import HomePathError, folders_to_read
 
 __all__ = ["ENV_FILE", "UNIT_FILE", "add_install_commands", "exec_word", "find_executable",
            "unit_text"]
@@ -31,8 +38,7 @@ ENV_FILE = "/etc/esi-sidecar/esi-sidecar.env"
 PACKAGED_EXEC = "/opt/esi-sidecar/bin/esi-sidecar"
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-# DynamicUser= and ProtectHome=yes: the service cannot reach an executable in a home.
-HOME_PREFIXES = ("/home/", "/root/", "/run/user/")
+PROTECT_HOME = "ProtectHome=yes\n"
 
 
 class InstallError(Exception):
@@ -57,18 +63,37 @@ def exec_word(executable: str) -> str:
     return executable.replace("%", "%%")
 
 
-def unit_text(executable: str) -> str:
+def bind_word(folder: str) -> str:
+    """``folder`` as a word of ``BindReadOnlyPaths=``: ``%`` written ``%%``; a blank, a
+    quote, a backslash or a ``:`` (systemd's separators) is an InstallError."""
+    if any(char.isspace() or not char.isprintable() or char in "\\'\":" for char in folder):
+        raise InstallError(f"{folder!r}: a folder with blanks, control characters, quotes, "
+                           "backslashes or colons cannot be bound into the unit's sandbox")
+    return folder.replace("%", "%%")
+
+
+def _readable_block(folders: Sequence[str]) -> str:
+    return ("# esi-sidecar runs from under a home: the homes are an empty read-only tmpfs\n"
+            "# with only the folders it needs bound in, read-only.\n"
+            "ProtectHome=tmpfs\n"
+            + "".join(f"BindReadOnlyPaths={bind_word(folder)}\n" for folder in folders))
+
+
+def unit_text(executable: str, readable: Sequence[str] = ()) -> str:
     """The packaged unit with ExecStart naming ``executable`` (:func:`exec_word`):
-    install.sh's ``$prefix/bin/esi-sidecar`` in place of the packaged /opt/esi-sidecar."""
+    install.sh's ``$prefix/bin/esi-sidecar`` in place of the packaged /opt/esi-sidecar.
+    ``readable``: folders under a home the service must read (``ProtectHome=tmpfs`` and a
+    ``BindReadOnlyPaths=`` each, in place of ``ProtectHome=yes``)."""
     word = exec_word(executable)
     lines = packaged_file("esi-sidecar.service").splitlines(keepends=True)
-    found = False
+    if f"ExecStart={PACKAGED_EXEC} serve\n" not in lines or PROTECT_HOME not in lines:
+        raise InstallError(  # pragma: no cover - the packaged unit is tested
+            f"the packaged unit lacks ExecStart={PACKAGED_EXEC} or {PROTECT_HOME.strip()}")
     for index, line in enumerate(lines):
         if line.startswith(f"ExecStart={PACKAGED_EXEC}"):
             lines[index] = f"ExecStart={word}{line[len('ExecStart=' + PACKAGED_EXEC):]}"
-            found = True
-    if not found:  # pragma: no cover - the packaged unit is tested
-        raise InstallError(f"the packaged unit has no ExecStart={PACKAGED_EXEC} line")
+        elif line == PROTECT_HOME and readable:
+            lines[index] = _readable_block(readable)
     return "".join(lines)
 
 
@@ -132,34 +157,30 @@ def _write(path: Path, text: str, mode: int) -> bool:
     return True
 
 
-def _interpreter(executable: str) -> str:
-    """The #! interpreter of a console script ('' for a binary or an unreadable file)."""
+def _folders_to_read(args: Any, executable: str) -> list[str]:
+    """What the unit must keep readable under a home (never with --root: the paths there
+    are not the host's). A problem stops an install; --print shows the unit and warns."""
+    if args.root:
+        return []
     try:
-        with open(executable, "rb") as script:
-            first = script.readline(512)
-    except OSError:
-        return ""
-    return first[2:].decode(errors="replace").split()[0] if first.startswith(b"#!/") else ""
-
-
-def _check_outside_homes(executable: str) -> None:
-    """DynamicUser= and ProtectHome=yes keep the service out of every home folder, so a
-    pipx or ``uv tool`` install in root's or a user's home could never start."""
-    interpreter = _interpreter(executable)
-    for path in (executable, interpreter, str(Path(interpreter).resolve()) if interpreter else ""):
-        if path.startswith(HOME_PREFIXES):
-            raise InstallError(
-                f"{path} is in a home folder, which the unit's DynamicUser= and ProtectHome= "
-                "keep out of reach: install for all users (sudo pipx install --global "
-                "'esi-sidecar[server]'; docs/deploy.md), or give --executable PATH")
+        folders = folders_to_read(executable)
+    except HomePathError as exc:
+        if not args.print:
+            raise InstallError(str(exc)) from exc
+        print(f"esi-sidecar {args.command}: warning: {exc}; the service would not start with "
+              "the unit below", file=sys.stderr)
+        return []
+    if folders:
+        print(f"esi-sidecar {args.command}: {executable} runs from under a home folder: the "
+              f"unit keeps {', '.join(folders)} readable (read-only) and every other home "
+              "hidden", file=sys.stderr)
+    return folders
 
 
 def install(args: Any) -> int:
     _check_may_write(args)
     executable = args.executable or find_executable()
-    if not args.root:
-        _check_outside_homes(executable)
-    unit = unit_text(executable)
+    unit = unit_text(executable, _folders_to_read(args, executable))
     unit_path = _under(args.root, UNIT_FILE)
     env_path = _under(args.root, ENV_FILE)
     env_kept = env_path.exists()

@@ -9,22 +9,39 @@ systemd-analyze is installed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
-from test_deploy import FAST_PIP, copy_checkout, reuse_venv, run_install
+import test_deploy
+from daemon_harness import fetch_json
+from deploy_support import unit_directives
+from test_deploy import (
+    EXPIRES_AT,
+    FAST_PIP,
+    SYSTEMD_PATH,
+    BootedSystemd,
+    clean_environ,
+    copy_checkout,
+    free_port,
+    reuse_venv,
+    run_install,
+)
 
 from sidecar.cli import main
+from sidecar.host.home_paths import HomePathError, folders_to_read, in_home
 from sidecar.host.install_service import ENV_FILE, UNIT_FILE, unit_text
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_EXAMPLE = REPO / "deploy" / "esi-sidecar.env.example"
 UNIT_SOURCE = REPO / "deploy" / "esi-sidecar.service"
 SCRIPT = Path(sys.executable).parent / "esi-sidecar"  # this venv's console script
+booted_systemd = test_deploy.booted_systemd  # the fixture: systemd as PID 1 of namespaces
 
 
 def under(root: Path, absolute: str) -> Path:
@@ -84,21 +101,76 @@ def test_uninstall_removes_the_unit_and_purge_the_env_file(
     assert main(["uninstall", "--purge", "--root", str(tmp_path)]) == 0  # nothing left: fine
 
 
-def test_an_executable_in_a_home_folder_is_refused(
+def test_print_always_shows_the_unit_and_says_on_stderr_why_it_could_not_start(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # DynamicUser= and ProtectHome=yes keep the service out of ~/.local/bin.
-    assert main(["install", "--print", "--executable", "/home/alice/.local/bin/esi-sidecar"]) == 2
-    assert "pipx install --global" in capsys.readouterr().err
-    # A script outside the homes whose interpreter is inside one (pipx run as root).
+    """An esi-sidecar in a home that is not there (nothing to make readable): --print
+    still shows the unit, exit 0, and says on stderr what is wrong (issue 39, item 2)."""
+    missing = "/home/alice/.local/bin/esi-sidecar"
+    assert main(["install", "--print", "--executable", missing]) == 0
+    said = capsys.readouterr()
+    assert f"\nExecStart={missing} serve\n" in said.out
+    assert "warning: /home/alice/.local/bin: No such file or directory" in said.err
+    # A script outside the homes whose interpreter is inside one and cannot run.
     script = tmp_path / "esi-sidecar"
     script.write_text("#!/root/.local/pipx/venvs/esi-sidecar/bin/python\n")
-    assert main(["install", "--print", "--executable", str(script)]) == 2
-    assert "/root/.local/pipx" in capsys.readouterr().err
+    assert main(["install", "--print", "--executable", str(script)]) == 0
+    said = capsys.readouterr()
+    assert f"\nExecStart={script} serve\n" in said.out
+    assert "cannot run /root/.local/pipx/venvs/esi-sidecar/bin/python" in said.err
+    with pytest.raises(HomePathError, match="No such file"):
+        folders_to_read(missing)  # what stops an install (exit 2) before it writes
+
+
+def test_an_interpreter_under_a_home_is_bound_in_read_only(tmp_path: Path) -> None:
+    """pyenv, conda, and any venv made from them (this test's own venv on a pyenv
+    Python): the unit hides the homes but the interpreter's prefix, read-only, and
+    systemd-analyze verify accepts it (issue 39, item 2)."""
+    base = os.path.realpath(sys.base_prefix)
+    if not in_home(base + "/"):
+        pytest.skip(f"this test's Python ({base}) is not under a home folder")
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not installed")
+    result = subprocess.run([str(SCRIPT), "install", "--unit-only", "--print"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    directives = unit_directives(result.stdout)
+    assert directives["Service.ProtectHome"] == ["tmpfs"]
+    assert base in directives["Service.BindReadOnlyPaths"]
+    assert all(in_home(path + "/") for path in directives["Service.BindReadOnlyPaths"])
+    assert f"keeps {base}" in result.stderr  # said, on stderr, not in the unit's text
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    root = tmp_path / "root"
+    under(root, ENV_FILE).parent.mkdir(parents=True)
+    under(root, ENV_FILE).write_text("")
+    under(root, UNIT_FILE).parent.mkdir(parents=True)
+    under(root, UNIT_FILE).write_text(result.stdout)
+    checked = verify(analyze, root)
+    assert checked.returncode == 0 and "esi-sidecar.service" not in checked.stderr, (
+        checked.stderr)
+
+
+def test_install_sh_takes_an_interpreter_under_a_home(tmp_path: Path) -> None:
+    """install.sh no longer stops at a pyenv or conda Python (its unit keeps the folder
+    readable); its dry run says what it would do, and never "not installed"."""
+    base = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
+    if not in_home(base):
+        pytest.skip(f"this test's Python ({base}) is not under a home folder")
+    checkout = copy_checkout(tmp_path / "checkout")
+    result = run_install("--dry-run", "--prefix", str(tmp_path / "prefix"), "--python", base,
+                         "--no-start", script=checkout / "install.sh")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "not installed" not in result.stdout + result.stderr
+    assert "checked by the installed package; a dry run installs none" in result.stdout
 
 
 def test_the_packaged_unit_is_the_deploy_unit() -> None:
     assert unit_text("/opt/esi-sidecar/bin/esi-sidecar") == UNIT_SOURCE.read_text()
+    # Its header names who writes it, whichever way it was installed.
+    assert "Installed by install.sh" not in UNIT_SOURCE.read_text()
+    assert "Written by `esi-sidecar install` (which\n# install.sh runs)" in UNIT_SOURCE.read_text()
 
 
 def test_the_unit_is_the_one_install_sh_writes(tmp_path: Path) -> None:
@@ -233,3 +305,60 @@ def test_install_sh_with_a_percent_in_the_prefix_writes_the_same_unit(tmp_path: 
     assert "\nExecStart=/srv/esi%%h/bin/esi-sidecar serve\n" in unit_text(
         f"{prefix}/bin/esi-sidecar")
     assert f"exec {staged}/srv/esi%h/bin/esi-sidecar serve'" in result.stdout, result.stdout
+
+
+def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
+    booted_systemd: BootedSystemd, tmp_path: Path
+) -> None:
+    """The issue's host: a venv in a user's home made from a pyenv Python in root's home
+    (this test's own base interpreter). Under a real systemd as PID 1 `esi-sidecar
+    install` writes a unit that binds just those two folders in, read-only, and the
+    service starts, says READY=1 and answers /healthz (issue 39, item 2)."""
+    base = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
+    if not in_home(base):
+        pytest.skip(f"this test's Python ({base}) is not under a home folder")
+    systemd = booted_systemd
+    checkout = copy_checkout(tmp_path / "checkout")
+    venv = "/home/alice/esi"
+    # A /home of the namespace's own (nothing lands in the host's), and in it a venv that
+    # sees this test venv's packages, so pip needs no index (as reuse_venv does).
+    steps = [("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/home"),
+             (base, "-m", "venv", "--without-pip", venv)]
+    for step in steps:
+        done = systemd.run(*step)
+        assert done.returncode == 0, done.stderr
+    purelib = systemd.run(f"{venv}/bin/python", "-c",
+                          "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    pth = f"{purelib.stdout.strip()}/zz-test-reuse.pth"
+    wrote = systemd.run("sh", "-c", f"printf '%s\\n' \"$1\" > {pth}", "sh",
+                        sysconfig.get_paths()["purelib"])
+    assert wrote.returncode == 0, wrote.stderr
+    made = systemd.run("bash", str(checkout / "install.sh"), "--venv-only", "--prefix", venv,
+                       "--python", base, *FAST_PIP, env={**clean_environ(), "PATH": SYSTEMD_PATH})
+    assert made.returncode == 0, made.stdout + made.stderr
+    port = free_port()
+    settings = (f"ESI_SIDECAR_SOURCE=static\nESI_SIDECAR_EXPIRES_AT={EXPIRES_AT}\n"
+                f"ESI_SIDECAR_LISTEN=127.0.0.1:{port}\n")
+    wrote = systemd.run("sh", "-c", f"install -d -m 700 /etc/esi-sidecar && umask 077 && "
+                        f"printf '{settings}' > {ENV_FILE}")
+    assert wrote.returncode == 0, wrote.stderr
+
+    installed = systemd.run(f"{venv}/bin/esi-sidecar", "install")
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    unit = unit_directives(systemd.run("cat", UNIT_FILE).stdout)
+    assert unit["Service.ProtectHome"] == ["tmpfs"]
+    assert sorted(unit["Service.BindReadOnlyPaths"]) == sorted(
+        [venv, os.path.realpath(sys.base_prefix)])
+    shown = systemd.show("ActiveState", "StatusText", "NRestarts")
+    assert shown["ActiveState"] == "active", shown  # READY=1 reached systemd
+    assert shown["StatusText"] == "ok" and shown["NRestarts"] == "0"
+    health = fetch_json(f"http://127.0.0.1:{port}/healthz")
+    assert health is not None and health[0] == 200
+    # Every other home stays hidden: the service's /root holds only the bound path.
+    main_pid = systemd.show("MainPID")["MainPID"]
+    listed = systemd.run("ls", "-A", f"/proc/{main_pid}/root/root")
+    assert listed.stdout.split() == [Path(base).relative_to("/root").parts[0]], listed
+
+    removed = systemd.run(f"{venv}/bin/esi-sidecar", "uninstall")
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert systemd.show("LoadState")["LoadState"] == "not-found"
