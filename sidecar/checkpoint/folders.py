@@ -44,6 +44,7 @@ from sidecar.checkpoint.manifest import (
     Invalid,
     PathLike,
     check_files,
+    read_listed,
     read_manifest,
     render_manifest,
     sync_checkpoint_files,
@@ -159,9 +160,9 @@ def _checked(candidate: _Candidate, verify_checksums: bool) -> tuple[Optional[Ch
 
 
 def _read_pointer(root: Path) -> Optional[str]:
-    try:
-        name = (root / LATEST_NAME).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+    try:  # no link followed, a FIFO never blocks (the root daemon prunes too: issue 35)
+        name = read_listed(root, LATEST_NAME).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError, Invalid):
         return None
     return name or None
 

@@ -30,9 +30,11 @@ MANIFEST_NAME = "MANIFEST.json"
 FORMAT_NAME = "esi-sidecar-checkpoint"
 FORMAT_VERSION = 1
 # Marker files that pin a checkpoint against retention. They come and go after the
-# commit (the host-side uploader writes ``.uploading`` while it uploads), so they are
-# never listed in a manifest: adding or removing one must not invalidate the folder.
-UPLOADING_MARKER = ".uploading"  # written by the host-side uploader
+# commit (the host-side uploader creates ``.uploading`` while it uploads), so they are
+# never listed in a manifest: adding or removing one must not invalidate the folder. Any
+# entry of the name pins (retention looks only for the name): the uploader creates its
+# own exclusively and never writes through one that is there (host/upload/jobfiles.py).
+UPLOADING_MARKER = ".uploading"  # created by the host-side uploader
 KEEP_MARKER = ".keep"  # written by the user
 PIN_MARKERS = (UPLOADING_MARKER, KEEP_MARKER)
 _NOT_LISTED = frozenset((MANIFEST_NAME, *PIN_MARKERS))

@@ -185,6 +185,30 @@ def test_stale_marker_cleanup_never_reads_through_a_link_nor_blocks_on_a_fifo(
     assert not os.path.lexists(leftover.path / UPLOADING_MARKER)  # an earlier run's: gone
 
 
+@needs_root
+def test_a_fifo_named_latest_does_not_block_the_daemons_retention(tmp_path: Path) -> None:
+    """``--upload-keep-local`` reads the job's ``latest`` pointer: without following a
+    link, and a FIFO there does not hang the upload thread."""
+    local, volume = job_root(tmp_path), tmp_path / "volume"
+    volume.mkdir()
+    first = save(local, 1, {"a.bin": b"a" * 100})
+    second = save(local, 2, {"b.bin": b"b" * 100})
+    (local / "latest").unlink()
+    os.mkfifo(local / "latest")
+    config = UploaderConfig(root=local, location=None, scan_interval_seconds=0.1,
+                            keep_local=1)
+    uploader = Uploader(config, destination=VolumeDestination(volume))
+    uploader.start()
+    try:
+        wait_for(lambda: state(uploader, second.name) == "done"
+                 and not first.path.exists(), timeout=20)
+    finally:
+        uploader.stop(timeout=5)
+        if uploader.alive():  # the old code: blocked in open(); let it go
+            with open(os.open(local / "latest", os.O_WRONLY | os.O_NONBLOCK), "wb"):
+                pass
+
+
 # --------------------------------------------- items 2 and 3: durable files, the marker
 
 
