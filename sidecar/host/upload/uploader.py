@@ -386,7 +386,7 @@ class Uploader:
                 # Or no longer valid (a file changed, replaced by a link): say why, once.
                 why = refused.get(record.name)
                 self.tracker.update(record.name, state="skipped", retry_at_unix=None,
-                                    note=_GONE if why is None else _INVALID + why)
+                                    note=_GONE if why is None else _INVALID + printable(why))
         self._last_scan_at = scan_at
         self._skip_superseded()
 
@@ -603,6 +603,7 @@ class Uploader:
                 f"{max(0.0, remaining):.0f} s away")
 
     def _failed(self, name: Optional[str], message: str) -> None:
+        message = printable(message)  # it may name the job's folders: shown and logged
         now = self._clock()
         self.tracker.record_failure(name, message, retry_at=now)
         # Counted here, reset only by an upload that succeeds: a volume that is full or

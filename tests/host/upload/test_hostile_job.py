@@ -380,6 +380,20 @@ def test_a_file_name_with_a_newline_writes_one_log_line(
     assert "\n" not in line and "x.bin\\nCRITICAL" in line
 
 
+@needs_root
+def test_a_refused_file_is_named_escaped_in_the_status(tmp_path: Path) -> None:
+    local, volume = job_root(tmp_path), tmp_path / "volume"
+    volume.mkdir()
+    secret = root_only(tmp_path / "token")
+    with uploading(local, VolumeDestination(volume)) as uploader:
+        bad = save(local, 1, {"model.pt": b"m" * 10},
+                   links={"tok\x1b[2J\nCRITICAL en": secret})
+        assert settled(uploader, bad.name) == "skipped"
+        shown = uploader.tracker.get(bad.name).to_json(0.0)["note"]  # type: ignore[union-attr]
+    assert "tok\\x1b[2J\\nCRITICAL en" in shown
+    assert not any(ord(char) < 0x20 for char in shown)
+
+
 def test_every_log_line_of_the_daemon_is_one_line(tmp_path: Path) -> None:
     """The daemon's handlers escape control characters in every message (``hold_back_
     repeats`` installs it): an argument cannot start a line of its own."""
