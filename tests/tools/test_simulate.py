@@ -401,3 +401,20 @@ def test_cli_runs_a_heavy_workload_and_lists_them(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     for name in HEAVY_WORKLOADS:
         assert f"  {name} " in out
+
+
+def test_a_plain_simulate_is_a_quick_look_and_says_how_long(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39, item 10: the default ran 200 seeds (about 17 min); now a few, with the time
+    it will take on stderr before it starts, and the report's 200 stay with --out."""
+    from sidecar.cli import build_parser, main
+    from sidecar.tools.simulate.command import QUICK_SEEDS, REPORT_SEEDS
+
+    assert QUICK_SEEDS <= 10 and REPORT_SEEDS == 200
+    assert main(["simulate", "--workload", "steady", "--policy", "oracle"]) == 0
+    out, err = capsys.readouterr()
+    first = err.splitlines()[0]
+    assert f"x {QUICK_SEEDS} seeds, about " in first and "--seeds 200" in first
+    (row,) = [line for line in out.splitlines() if line.startswith("| steady | oracle |")]
+    assert f"/{QUICK_SEEDS} |" in row
+    assert build_parser().parse_args(["simulate"]).seeds is None  # resolved by --out or not
