@@ -134,7 +134,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         emulator.set_release(args.release_at)
     else:
         emulator.set_release_in(args.release_in)
-    url = emulator.start(host=host, port=port)
+    url = _start_emulator(emulator, host, port)
+    if url is None:
+        return EXIT_USAGE
     when = args.release_at or f"in {args.release_in:g} s"
     print(f"Volcengine ECS emulator on {url} (release {when})")
     print("Point the daemon at it, in another terminal:")
@@ -171,7 +173,9 @@ def _emulate_metadata(cloud: str, host: str, port: int) -> int:
     target, what, flags, verb, body = _METADATA_CLOUDS[cloud]
     module, _, name = target.partition(":")
     emulator = getattr(importlib.import_module(module), name)()
-    url = emulator.start(host=host, port=port)
+    url = _start_emulator(emulator, host, port)
+    if url is None:
+        return EXIT_USAGE
     print(f"{what} emulator on {url}")
     print("Point the daemon at it, in another terminal:")
     print(f"  esi-sidecar serve {flags} {url}")
@@ -180,6 +184,17 @@ def _emulate_metadata(cloud: str, host: str, port: int) -> int:
     print(f"Inject a fault:    curl -X POST {url}/_emulator/fault "
           "-d '{\"kind\": \"status\", \"status\": 503, \"count\": 3}'")
     return _serve_until_interrupted(emulator)
+
+
+def _start_emulator(emulator: Any, host: str, port: int) -> Optional[str]:
+    """The emulator's URL, or None after one line saying why it cannot listen (a port in
+    use, an address not on this host), as ``serve`` says it."""
+    try:
+        return str(emulator.start(host=host, port=port))
+    except OSError as exc:
+        print(f"esi-sidecar emulate: cannot listen on {host}:{port}: {exc.strerror or exc} "
+              "(another --listen HOST:PORT?)", file=sys.stderr)
+        return None
 
 
 def _serve_until_interrupted(emulator: Any) -> int:
