@@ -59,6 +59,10 @@ SLOW_MODULES = frozenset({
     "integrations/test_integration_ray_drain.py",    # Ray clusters
     "integrations/test_integration_ray_nodes.py",
     "integrations/test_integration_verl_wheels.py",  # two verl releases
+    "tools/test_simulate.py",                        # the simulator's reference workloads
+    "tools/test_simulate_heavy.py",
+    "tools/test_demo.py",                            # the whole demo, twice a trainer
+    "host/test_api_fuzz.py",                         # schemathesis over every operation
 })
 # Under the parallel runner (`-n`, `--dist loadgroup`) the tests of one group run on one
 # worker, one after another: a group shares something that two workers must not use at once.

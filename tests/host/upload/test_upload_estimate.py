@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint
@@ -72,6 +73,8 @@ def test_a_slow_upload_raises_the_served_estimate_while_it_runs(tmp_path: Path) 
         assert after >= 4 * 1.2 * 0.8 and after > risen["upload_seconds"], (after, risen)
 
 
+# Two probes of seconds each at the throttled speed: about 18 s, so out of the fast tier.
+@pytest.mark.slow
 def test_a_link_that_slows_while_idle_is_seen_by_the_probe(
         tmp_path: Path, monkeypatch: Any) -> None:
     """No upload runs after the link slows: the probes (two agreeing) raise the estimate,
