@@ -143,7 +143,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     # Emulator credentials are not secrets; print them so the lines can be pasted as-is.
     print(f"  export VOLCENGINE_ACCESS_KEY={args.access_key} "
           f"VOLCENGINE_SECRET_KEY={args.secret_key}")
-    print(f"  esi-sidecar serve --api-endpoint {url} --metadata-url {url}")
+    print(f"  esi-sidecar serve --api-endpoint {url} --metadata-url {url} "
+          "--poll-schedule fixed --poll-interval 5")
+    print("  (a moved release is then seen within 5 s; by default, while the release is far, "
+          "the daemon asks every 1/12 of the time left: an hour away, every 5 min)")
     print(f"Move the release:  curl -X POST {url}/_emulator/release -d '{{\"in_seconds\": 600}}'")
     print(f"Spot reclaim:      curl -X POST {url}/_emulator/event "
           "-d '{\"type\": \"SpotInstanceInterruption_Delete\"}'")

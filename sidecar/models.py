@@ -163,6 +163,9 @@ class Expiry:
     # (expires_at, expires_at_unix, remaining_seconds) and start. Never in expires_at: a
     # guard that knows no drills goes on training, the real deadline stays the real one.
     drill: Optional[dict[str, Any]] = None
+    # How late a moved deadline can be seen now: the longest wait the daemon's poller
+    # planned after its last poll of any source (None: unknown, an older daemon).
+    detection_lag_seconds: Optional[float] = None
 
     def to_json(self) -> dict[str, Any]:
         # Not asdict(): its deep copy costs more than the rest of a /v1/expiry answer, and
@@ -197,6 +200,7 @@ class Expiry:
             upload_measured=_count(body, "upload_measured"),
             notices=_notices(body),
             drill=_drill(body),
+            detection_lag_seconds=_number(body, "detection_lag_seconds"),
         )
 
 

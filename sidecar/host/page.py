@@ -244,7 +244,7 @@ def _protection(protection: Optional[dict[str, Any]]) -> str:
     rows = []
     for verdict in protection["sources"]:
         status = str(verdict.get("status"))
-        css = {"protected": "", "not-protected": "bad"}.get(status, "muted")
+        css = {"protected": "", "not-protected": "bad", "not-working": "bad"}.get(status, "muted")
         notice = verdict.get("notice_seconds")
         rows.append(f"<tr class=\"verdict\" data-status=\"{_e(status)}\"><td>"
                     f"{_e(verdict.get('source'))}</td><td>"

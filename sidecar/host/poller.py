@@ -257,6 +257,7 @@ class Poller:
             if not self._wait_for_budget(source):
                 return
             delay = self.poll_once(source)
+            self._store.record_next_poll(source.name, delay)  # how late a move is seen
             self._stop.wait(delay)
 
     def _wait_for_budget(self, source: Source) -> bool:

@@ -13,16 +13,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Callable, Optional, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from sidecar.host.store import Store
-from sidecar.train.protection import DurableCheckpoint, JobFigures, SaidOnce, Verdict, judge
+from sidecar.host.store import Store, not_working
+from sidecar.train.protection import (
+    DurableCheckpoint,
+    JobFigures,
+    SaidOnce,
+    Verdict,
+    judge_one,
+    short_duration,
+)
 
 __all__ = ["ProtectionBoard", "notice_table"]
 
 log = logging.getLogger("sidecar.host.protection")
+
+# The top-level status: the worst of the sources' verdicts. A source that is not working
+# comes first: a release it would announce is not seen at all.
+WORST_FIRST = ("not-working", "not-protected", "unknown")
 
 
 class _Summaries(Protocol):
@@ -86,21 +98,44 @@ class ProtectionBoard:
         return job, durable
 
     def verdicts(self, now: Optional[float] = None) -> list[Verdict]:
+        """Each running source's verdict; a source that is not working (no fresh
+        successful poll, or a deadline long past) is ``not-working``, never judged on
+        its notice: it protects nothing until it polls again."""
         now = self._clock() if now is None else now
-        running = {status.name: (self._detected[status.name].notice_seconds
-                                 if status.name in self._detected
-                                 else self._notices.get(status.name))
-                   for status in self._store.snapshot().present}
+        snapshot = self._store.snapshot()
         job, durable = self.inputs(now)
-        return judge(running, job, durable, now)
+        verdicts = []
+        for status in snapshot.present:
+            notice = (self._detected[status.name].notice_seconds
+                      if status.name in self._detected else self._notices.get(status.name))
+            verdict = judge_one(status.name, notice, job, durable, now)
+            lag = status.next_poll_seconds
+            why = not_working(status, now, snapshot.stale_after)
+            if why is not None:
+                verdict = replace(verdict, protected=None, working=False, reason=(
+                    f"{status.name}: not working ({why}): a deadline it would give "
+                    "is not seen"))
+            elif lag is not None and notice is None:  # a move of a time known ahead
+                verdict = replace(verdict, reason=f"{verdict.reason}; a moved deadline is "
+                                  f"seen within {short_duration(lag)} (the poll interval now)")
+            verdicts.append(replace(verdict, detection_lag_seconds=None if lag is None
+                                    else round(lag, 1)))
+        return verdicts
 
     def body(self, now: Optional[float] = None) -> dict[str, Any]:
-        """The ``GET /v1/protection`` body."""
+        """The ``GET /v1/protection`` body: ``status`` the worst verdict (``not-working``
+        also when no source runs), ``protected`` true only when it is ``protected``."""
         now = self._clock() if now is None else now
         verdicts = self.verdicts(now)
         job, durable = self.inputs(now)
+        statuses = {v.status for v in verdicts}
+        overall = next((s for s in WORST_FIRST if s in statuses), "protected")
+        overall = overall if verdicts else "not-working"
+        lags = [v.detection_lag_seconds for v in verdicts if v.detection_lag_seconds is not None]
         return {
-            "protected": all(v.protected is not False for v in verdicts),
+            "protected": overall == "protected",
+            "status": overall,
+            "detection_lag_seconds": max(lags) if lags else None,
             "sources": [v.to_json() for v in verdicts],
             "job": {"step_seconds": job.step_seconds, "save_seconds": job.save_seconds,
                     "upload_seconds": job.upload_seconds,

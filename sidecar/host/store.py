@@ -18,9 +18,10 @@ from typing import Any, Callable, Optional
 from sidecar.models import Expiry, Notice, Observation
 from sidecar.timeparse import format_rfc3339
 
-__all__ = ["MOVES_KEPT", "NO_SOURCE_RUNS", "OUTCOMES", "PAST_GRACE_SECONDS", "DeadlineMove",
-           "Health", "Snapshot", "SourceStatus", "Store",
-           "build_expiry", "build_health", "build_notices", "describe_passed", "long_past"]
+__all__ = ["MOVES_KEPT", "NO_SOURCE_RUNS", "OUTCOMES", "PAST_GRACE_SECONDS",
+           "START_GRACE_SECONDS", "DeadlineMove", "Health", "Snapshot", "SourceStatus", "Store",
+           "build_expiry", "build_health", "build_notices", "describe_passed", "detection_lag",
+           "long_past", "not_working", "start_grace"]
 
 OUTCOMES = ("ok", "error", "throttled")
 # The start of /healthz's reason when --source auto runs nothing on this machine.
@@ -28,6 +29,10 @@ NO_SOURCE_RUNS = "no deadline source can run here"
 
 
 MOVES_KEPT = 100
+# /healthz says "starting" at most this long after start-up (or the staleness bound, when
+# shorter): a first poll answers within seconds, and a source that cannot be reached (its
+# metadata refusing connections, say) is degraded, with the reason, from then on.
+START_GRACE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class SourceStatus:
     # How much later than --poll-interval the next poll is planned (the adaptive schedule
     # of a far release, sidecar.host.schedule): staleness waits that much longer.
     poll_slack: float = 0.0
+    # The wait planned after the last poll: how late a moved deadline can be seen now
+    # (served as ``detection_lag_seconds``; None before the first poll).
+    next_poll_seconds: Optional[float] = None
 
     def age(self, now: float) -> Optional[float]:
         return None if self.observed_at_unix is None else now - self.observed_at_unix
@@ -161,6 +169,12 @@ class Store:
             self._sources[name] = replace(self._sources[name],
                                           poll_slack=max(0.0, slack_seconds))
 
+    def record_next_poll(self, name: str, delay_seconds: float) -> None:
+        """The poller waits ``delay_seconds`` before it asks ``name`` again."""
+        with self._lock:
+            self._sources[name] = replace(self._sources[name],
+                                          next_poll_seconds=max(0.0, delay_seconds))
+
     def record_absent(self, name: str, reason: str, at: Optional[float] = None) -> None:
         """The source's service is not on this machine: leave it out until it appears."""
         at = self._clock() if at is None else at
@@ -249,7 +263,32 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
             chosen.observation.assumed_timezone if chosen and chosen.observation else None
         ),
         notices=build_notices(present, now, snapshot.stale_after),
+        detection_lag_seconds=detection_lag(present),
     )
+
+
+def detection_lag(sources: Sequence[SourceStatus]) -> Optional[float]:
+    """How late a moved deadline can be seen now: the longest wait the poller planned
+    after its last poll of any of ``sources`` (None before one was polled). The adaptive
+    schedule waits a twelfth of the time left while a release is far (docs/polling.md)."""
+    planned = [s.next_poll_seconds for s in sources if s.next_poll_seconds is not None]
+    return round(max(planned), 1) if planned else None
+
+
+def not_working(status: SourceStatus, now: float, stale_after: float) -> Optional[str]:
+    """Why ``status``'s source cannot be trusted for a verdict now, None when it works: it
+    polled successfully in this process, it is not failing now (a failing poll while the
+    last good answer is still fresh is a retry, not a failure yet), and no deadline is long
+    past (a release that came while the machine runs: the answer, or the clock, is wrong)."""
+    detail = f": {status.error}" if status.error else ""
+    if status.observed_at_unix is None or status.restored:
+        return f"no successful poll yet{detail}"
+    if status.error and not status.is_fresh(now, stale_after):
+        return f"no successful poll for {now - status.observed_at_unix:.0f} s{detail}"
+    past = long_past(status.observation, now)
+    if past:
+        return describe_passed(past[0], now)
+    return None
 
 
 # A deadline this far in the past means the machine should be gone, so the source's answer
@@ -330,12 +369,21 @@ def _notice_json(status: SourceStatus, notice: Notice, now: float,
         "observed_at": (None if status.observed_at_unix is None
                         else format_rfc3339(status.observed_at_unix)),
         "stale": not status.is_fresh(now, stale_after),
+        "detection_lag_seconds": (None if status.next_poll_seconds is None
+                                  else round(status.next_poll_seconds, 1)),
     }
+
+
+def start_grace(stale_after: float) -> float:
+    """How long after start-up a source without a successful poll is ``starting``, not
+    ``degraded``: :data:`START_GRACE_SECONDS`, or the staleness bound when shorter."""
+    return min(stale_after, START_GRACE_SECONDS)
 
 
 def build_health(snapshot: Snapshot, now: float) -> Health:
     """ok: every source has a fresh success and no deadline is long past. starting: some
-    source has not answered yet and the staleness bound since start-up has not passed.
+    source has not answered yet and the start-up grace (:func:`start_grace`) has not
+    passed.
     degraded: anything else, at once when a source was refused (no credentials, say:
     waiting mends nothing) or when ``--source auto`` found no source that can run here
     (issue 26, item 4)."""
@@ -347,7 +395,8 @@ def build_health(snapshot: Snapshot, now: float) -> Health:
             continue
         waited = now - snapshot.started_at_unix
         never_polled_ok = status.restored or status.observed_at_unix is None
-        if never_polled_ok and waited <= snapshot.stale_after and not status.refused:
+        if never_polled_ok and waited <= start_grace(snapshot.stale_after) and (
+                not status.refused):
             detail = f": {status.error}" if status.error else ""
             return Health("starting", f"{status.name}: no successful poll yet{detail}")
         age = status.age(now)

@@ -53,17 +53,26 @@ class Verdict:
     at_risk_seconds: Optional[float]  # age of the newest durable checkpoint (None: none)
     at_risk_step: Optional[int]
     reason: str
+    # The source polls successfully now (the daemon's judgement: a fresh success and no
+    # deadline long past). A source not working protects nothing: ``protected`` is None.
+    working: bool = True
+    # How late a moved deadline can be seen now (the source's poll interval now).
+    detection_lag_seconds: Optional[float] = None
 
     @property
     def status(self) -> str:
+        if not self.working:
+            return "not-working"
         if self.protected is None:
             return "unknown"
         return "protected" if self.protected else "not-protected"
 
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "status": self.status, "protected": self.protected,
+                "working": self.working,
                 "notice_seconds": self.notice_seconds, "needed_seconds": self.needed_seconds,
                 "at_risk_seconds": self.at_risk_seconds, "at_risk_step": self.at_risk_step,
+                "detection_lag_seconds": self.detection_lag_seconds,
                 "reason": self.reason}
 
 
@@ -144,6 +153,7 @@ class SaidOnce:
         if self._said.get(verdict.source) == key:
             return False
         self._said[verdict.source] = key
+        # Not working: the poller has warned about the source's failing polls already.
         level = logging.WARNING if verdict.protected is False else logging.INFO
         self._logger.log(level, "%s", verdict.reason)
         return True

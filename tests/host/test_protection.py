@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -114,10 +117,13 @@ def test_a_release_known_ahead_is_protected() -> None:
         assert body["sources"][0]["notice_seconds"] is None
 
 
-def test_the_top_level_protected_holds_while_a_verdict_is_unknown_and_falls_with_one_not(
+def test_the_top_level_is_the_worst_verdict_and_protected_only_when_every_source_is(
         gce: GcpMetadataEmulator) -> None:
-    # docs/protection.md: ``protected`` is false when any source is not protected; a
-    # verdict still unknown (no save time from the job yet) is no such source.
+    # docs/protection.md: the top-level ``status`` is the worst source's (not-working,
+    # not-protected, unknown, protected); ``protected`` is true only when it is
+    # ``protected``. A verdict still unknown (no save time from the job yet) is not a
+    # protection: the top level says ``unknown``, not protected (issue 39 item 5 changed
+    # this from true).
     with serve_daemon(sources=("static", "gcp"), expires_at="2030-01-01T00:00:00Z",
                       gcp_metadata_url=gce.url) as daemon:
 
@@ -125,15 +131,114 @@ def test_the_top_level_protected_holds_while_a_verdict_is_unknown_and_falls_with
             body = get_json(daemon.url + "/v1/protection")[1]
             return {v["source"]: v["status"] for v in body["sources"]}
 
-        wait_for(lambda: statuses().keys() == {"static", "gcp"})
+        wait_for(lambda: statuses() == {"static": "protected", "gcp": "unknown"})
         body = get_json(daemon.url + "/v1/protection")[1]
-        assert statuses() == {"static": "protected", "gcp": "unknown"}, body
-        assert body["protected"] is True, body
+        assert (body["status"], body["protected"]) == ("unknown", False), body
         report_a_60_s_save(daemon.url)
         wait_for(lambda: statuses()["gcp"] != "unknown")
         body = get_json(daemon.url + "/v1/protection")[1]
         assert statuses() == {"static": "protected", "gcp": "not-protected"}, body
-        assert body["protected"] is False, body
+        assert (body["status"], body["protected"]) == ("not-protected", False), body
+
+
+def closed_url() -> Iterator[str]:
+    """A loopback port bound and never listening: a connect is refused at once."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+refused_metadata = pytest.fixture(closed_url)
+
+
+def test_a_source_that_never_polled_protects_nothing(refused_metadata: str) -> None:
+    # Issue 39, item 5: no credentials, metadata refusing connections: the ESI source
+    # never polled once, yet the verdict of a time "known ahead" said protected.
+    with serve_daemon(sources=("volcengine-esi",), metadata_url=refused_metadata) as daemon:
+        wait_for(lambda: daemon.store.snapshot().sources[0].error is not None)
+        status, body = get_json(daemon.url + "/v1/protection")
+        page = urllib.request.urlopen(daemon.url + "/", timeout=5).read().decode()
+        metrics = urllib.request.urlopen(daemon.url + "/metrics", timeout=5).read().decode()
+    assert status == 200
+    assert (body["status"], body["protected"]) == ("not-working", False), body
+    verdict = body["sources"][0]
+    assert (verdict["status"], verdict["protected"], verdict["working"]) == (
+        "not-working", None, False), verdict
+    assert verdict["reason"].startswith("volcengine-esi: not working (no successful poll "
+                                        "yet: metadata service"), verdict
+    assert "Connection refused" in verdict["reason"], verdict
+    assert 'data-status="not-working"' in page and 'data-status="protected"' not in page
+    assert "esi_sidecar_protected{" not in metrics
+
+
+def test_a_release_long_past_protects_nothing() -> None:
+    # A release that came while the machine still runs: the answer (or the clock) is wrong.
+    with serve_daemon(sources=("static",), expires_at=repr(time.time() - 3600)) as daemon:
+        wait_for(lambda: daemon.store.snapshot().sources[0].observed_at_unix is not None)
+        body = get_json(daemon.url + "/v1/protection")[1]
+    assert (body["status"], body["protected"]) == ("not-working", False), body
+    assert "passed" in body["sources"][0]["reason"], body
+
+
+def test_healthz_is_starting_for_a_bounded_grace_then_degraded_with_the_reason() -> None:
+    # Issue 39, item 5: 70 s after start with the metadata refusing, still "starting".
+    # The grace is START_GRACE_SECONDS (30 s), or the staleness bound when shorter.
+    from sidecar.host.store import START_GRACE_SECONDS, Store
+
+    now = [1000.0]
+    store = Store(["volcengine-esi"], stale_after=90.0, clock=lambda: now[0])
+    store.record_failure("volcengine-esi", "metadata service ...: Connection refused")
+    now[0] += START_GRACE_SECONDS - 1
+    assert store.health().status == "starting"
+    now[0] += 2
+    health = store.health()
+    assert health.status == "degraded", health
+    assert health.reason == ("volcengine-esi: no successful poll since start: metadata "
+                             "service ...: Connection refused")
+    short = Store(["s"], stale_after=6.0, clock=lambda: now[0])  # a shorter bound wins
+    now[0] += 7
+    assert short.health().status == "degraded"
+
+
+def test_healthz_on_the_real_daemon_says_why_once_the_grace_is_over(
+        refused_metadata: str) -> None:
+    with serve_daemon(sources=("volcengine-esi",), metadata_url=refused_metadata,
+                      poll_interval=0.5) as daemon:  # staleness bound 1.5 s < 30 s
+        wait_for(lambda: get_json(daemon.url + "/healthz")[1]["status"] == "degraded")
+        status, body = get_json(daemon.url + "/healthz")
+    assert status == 503 and "Connection refused" in body["reason"], body
+
+
+def test_the_verdict_says_how_late_a_moved_release_is_seen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 39, item 6: a release an hour away is polled every 5 min (1/12 of the time
+    # left), so a move to 45 s away is seen up to 5 min late: the verdict says so.
+    from sidecar.tools.emulator import Emulator
+
+    monkeypatch.setenv("VOLCENGINE_ACCESS_KEY", "AKLTprotectionlag000")
+    monkeypatch.setenv("VOLCENGINE_SECRET_KEY", "cHJvdGVjdGlvbi1sYWc=")
+    with Emulator(access_key="AKLTprotectionlag000", secret_key="cHJvdGVjdGlvbi1sYWc=",
+                  region="cn-beijing", instance_id="i-lag0001",
+                  scheduled_instance_id="esi-lag0001") as emulator:
+        emulator.set_release_in(3600)
+        with serve_daemon(api_endpoint=emulator.url, metadata_url=emulator.url,
+                          poll_interval=5.0, poll_schedule="adaptive") as daemon:
+            body = wait_for(lambda: (b := get_json(daemon.url + "/v1/protection")[1])[
+                "detection_lag_seconds"] is not None and b)
+            expiry = get_json(daemon.url + "/v1/expiry")[1]
+            status = subprocess.run([sys.executable, "-m", "sidecar.cli", "status", "--url",
+                                     daemon.url], capture_output=True, text=True, timeout=60)
+    lag = body["detection_lag_seconds"]
+    assert 0.9 * 300 <= lag <= 1.1 * 300, body  # 1/12 of an hour, +-10 % jitter
+    assert body["sources"][0]["detection_lag_seconds"] == lag
+    assert expiry["detection_lag_seconds"] == lag, expiry
+    assert expiry["notices"][0]["detection_lag_seconds"] == lag, expiry
+    said = re.search(r"; a moved deadline is seen within (\d+) s \(the poll interval now\)$",
+                     body["sources"][0]["reason"])
+    assert said is not None and abs(int(said.group(1)) - lag) <= 1, body
+    assert said.group(0)[2:] in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize("value", ["gcp", "gcp=abc", "gcp=0", "gcp=-1", "gcp=inf", "nope=30",
