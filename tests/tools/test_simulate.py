@@ -327,7 +327,7 @@ def test_cli_writes_markdown_csv_and_png(
     }
     # Off a terminal, progress is a line per workload on stderr (issue 26), nothing redrawn.
     err = capsys.readouterr().err
-    assert err.startswith("simulating 2 workloads x 2 policies x 3 seeds ...\n"), err
+    assert err.startswith("simulating 2 workloads x 2 policies x 3 seeds, about 1 s ...\n"), err
     assert "\r" not in err
 
 
@@ -364,7 +364,7 @@ def test_cli_says_how_far_it_is_on_stderr_as_each_workload_is_done() -> None:
     assert process.stderr is not None
     try:
         first = process.stderr.readline()  # before the simulation ends
-        assert first == "simulating 2 workloads x 1 policies x 2 seeds ...\n"
+        assert first == "simulating 2 workloads x 1 policies x 2 seeds, about 1 s ...\n"
         out, rest = process.communicate(timeout=120)
     finally:
         if process.poll() is None:

@@ -82,7 +82,7 @@ def add_simulate_command(subparsers: Any) -> None:
 
 
 def _estimate(runs: int) -> str:
-    seconds = runs * SECONDS_PER_RUN
+    seconds = max(1.0, runs * SECONDS_PER_RUN)
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
@@ -137,11 +137,12 @@ def simulate_command(args: argparse.Namespace) -> int:
             return 2
     workloads = args.workload or list(WORKLOADS)
     policies = args.policy or list(POLICIES)
+    quick = args.seeds is None and args.out is None
     if args.seeds is None:
-        args.seeds = REPORT_SEEDS if args.out is not None else QUICK_SEEDS
+        args.seeds = QUICK_SEEDS if quick else REPORT_SEEDS
     label = (f"simulating {len(workloads)} workloads x {len(policies)} policies x {args.seeds} "
              f"seeds, about {_estimate(len(workloads) * len(policies) * args.seeds)}")
-    if args.out is None and args.seeds < REPORT_SEEDS:
+    if quick:
         label += f" (a quick look; the report's numbers: --seeds {REPORT_SEEDS})"
     results = run(workloads, policies, seeds=args.seeds, seed0=args.seed0,
                   notice_delay_seconds=args.notice_delay, progress=_progress(label, workloads))
