@@ -393,9 +393,10 @@ def _saves(events: Optional[dict[str, Any]], now: float) -> str:
     for event in listed:
         if event["kind"] == "durable":
             lead = event.get("lead_seconds")
+            until = "the drill deadline" if event.get("save") == "drill" else "the release"
             what = "durable" + ("" if lead is None else
                                 f", {human_duration(abs(lead))} "
-                                f"{'before' if lead >= 0 else 'after'} the release")
+                                f"{'before' if lead >= 0 else 'after'} {until}")
         else:
             what = (f"{_e(event.get('save') or 'routine')} save, "
                     f"{_seconds(event.get('seconds'))}"

@@ -45,6 +45,11 @@ class FollowedSave:
         return "top-up" if self.top_up else "final"
 
     @property
+    def kind(self) -> str:
+        """Its ``save`` in the job events: a drill's save is a ``drill`` save."""
+        return "drill" if self.drill else self.name
+
+    @property
     def said(self) -> str:
         """The save as the log names it: a drill's is a drill's."""
         return f"{'drill ' if self.drill else ''}{self.name} checkpoint"
@@ -148,7 +153,7 @@ class DurabilityFollower:
 
     def _say_durable(self, final: FollowedSave) -> None:
         assert final.durable_unix is not None
-        self._events.send("durable", step=final.step, save=final.name,
+        self._events.send("durable", step=final.step, save=final.kind,
                           lead_seconds=None if final.deadline_unix is None
                           else final.deadline_unix - final.durable_unix)
         local = "" if self._tracker.upload_status else " (no uploader: the local save counts)"
@@ -161,7 +166,7 @@ class DurabilityFollower:
     def _say_not_durable(self, final: FollowedSave) -> None:
         unwritten = final.committed is not None and final.committed_unix is None
         upload = self._tracker.upload_status or "no answer"
-        self._events.send("not-durable", step=final.step, save=final.name, reason=(
+        self._events.send("not-durable", step=final.step, save=final.kind, reason=(
             "its asynchronous write had not finished" if unwritten
             else f"the upload had not finished ({upload})") + f" when {final.until} came")
         if final.drill:  # the drill's own report judges it (drill.py); nothing was lost

@@ -315,7 +315,7 @@ class CheckpointGuard:
         started_unix = self._clock()
         deadline = self._deadline_for_save()
         asked = self._last_save_decision
-        self._events.send("save-started", step=step, save=save_kind(asked),
+        self._events.send("save-started", step=step, save=self._save_kind(asked),
                           budget_seconds=None if asked is None else asked.budget_seconds,
                           remaining_seconds=None if deadline is None
                           else deadline - started_unix)
@@ -391,7 +391,8 @@ class CheckpointGuard:
         )
         self._notes.saved(step, started_unix)
         self._loop.pause(seconds)  # a save is not a step
-        self._events.send("save-finished", step=step, seconds=seconds, save=save_kind(asked),
+        self._events.send("save-finished", step=step, seconds=seconds,
+                          save=self._save_kind(asked),
                           asynchronous=True if committed is not None else None,
                           remaining_seconds=None if deadline_unix is None
                           else deadline_unix - self._clock())
@@ -400,6 +401,12 @@ class CheckpointGuard:
                                    top_up=rule.top_up, committed=committed,
                                    drill=self._drill.drilling)
         self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=rule)
+
+    def _save_kind(self, asked: Optional[PolicyDecision]) -> str:
+        """The save's name in the events: a drill's own save is a ``drill`` save, never
+        the release's ``final`` (docs/events.md)."""
+        kind = save_kind(asked)
+        return "drill" if kind in ("final", "top-up") and self._drill.drilling else kind
 
     def state_dict(self) -> dict[str, object]:
         """What the guard learned, plain JSON, to keep in the checkpoint (step and save

@@ -178,3 +178,46 @@ def test_a_checkpoint_durable_after_the_drill_deadline_is_not_reported_durable()
         assert figures["lead_seconds"] < 0 and figures["durable_seconds"] > 0, figures
         assert decided["verdict"] == "FAIL", decided
         assert "after the drill deadline" in decided["reason"], decided
+
+
+def test_a_drills_save_is_named_as_one_in_the_events_and_on_the_page() -> None:
+    # Issue 39, item 5: the page said "final ... durable 5 s before the release" for a
+    # drill's save while the real release was 54 min away.
+    import urllib.request
+
+    from daemon_harness import get_json
+
+    with static_daemon(time.time() + 3600) as daemon:
+        guard = CheckpointGuard(SidecarClient(daemon.url), policy(), environ={},
+                                refresh_seconds=0.05)
+        step = 0
+
+        def train_until(done: Any, timeout: float = 20) -> None:
+            nonlocal step
+            limit = time.monotonic() + timeout
+            while not done():
+                assert time.monotonic() < limit, f"not done by step {step}"
+                with guard.step():
+                    time.sleep(STEP_SECONDS)
+                if guard.should_save():
+                    with guard.saving(step):
+                        pass
+                guard.should_stop()
+                step += 1
+
+        train_until(lambda: job_heard(daemon.url))
+        drill = start_drill(daemon.url, 3.0)
+        train_until(lambda: verdict(daemon.url, drill["id"]))
+
+        def saves() -> list[tuple[str, Any]]:
+            events = get_json(daemon.url + "/v1/events")[1]["events"]
+            return [(e["kind"], e.get("save")) for e in reversed(events)
+                    if e["kind"] in ("save-started", "save-finished", "durable")]
+
+        named = wait_for(lambda: len(said := saves()) == 3 and said)
+        page = urllib.request.urlopen(daemon.url + "/", timeout=5).read().decode()
+        guard.client.close()
+    assert named == [("save-started", "drill"), ("save-finished", "drill"),
+                     ("durable", "drill")]
+    assert "before the drill deadline" in page and "before the release" not in page
+    assert "final save" not in page
