@@ -82,10 +82,13 @@ def parse_volume_url(text: str) -> Path:
 
 
 def parse_destination(text: str) -> Union[S3Location, Path]:
-    """``s3://...`` (S3 / TOS) or ``file:///...`` (a mounted volume); ValueError otherwise."""
+    """``s3://...`` (S3 / TOS), ``file:///...`` or a plain absolute path (a mounted volume's
+    folder, as ``restore --from /mnt/share/run`` is typed); ValueError otherwise."""
     if text.strip().lower().startswith("file:"):
         return parse_volume_url(text)
+    if text.strip().startswith("/"):
+        return parse_volume_url(Path(text.strip()).as_uri())
     try:
         return parse_s3_url(text)
     except ValueError as exc:
-        raise ValueError(f"{exc}, or file:///PATH for a mounted volume") from None
+        raise ValueError(f"{exc}, or file:///PATH (or /PATH) for a mounted volume") from None

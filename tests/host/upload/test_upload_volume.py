@@ -151,3 +151,19 @@ def test_bad_destination_urls_stop_start_up() -> None:
     parsed = load_settings({"upload_to": "file:///mnt/share/run-42/", "upload_from": "/tmp"},
                            environ={})
     assert parsed.upload_to == "file:///mnt/share/run-42"
+
+
+def test_restore_takes_a_plain_path_as_the_volumes_folder(tmp_path: Path) -> None:
+    """``restore --from /mnt/share/run`` as typed, no file:// (issue 39: it was refused)."""
+    volume, fresh = tmp_path / "volume", tmp_path / "fresh"
+    make_checkpoint(volume, 7, 64 * 1024)  # laid out as the uploader lays out a volume
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "restore", "--from", str(volume),
+         "--to", str(fresh)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    restored = latest_valid(fresh, verify_checksums=True)
+    assert restored is not None and restored.step == 7
+    relative = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "restore", "--from", "share/run",
+         "--to", str(fresh)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert relative.returncode == 2 and "invalid --from" in relative.stderr
