@@ -76,3 +76,30 @@ bench: $(ALL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The mutation check (docs/mutation.md): mutmut changes the rules that protect data and
+# decisions one small change at a time and runs the fast tests that reach each change. Not
+# part of `make test` or CI (several minutes); run it after any change to those rules.
+# MUTANTS: the rules, as mutmut names them (module.x_function or module.xǁClassǁmethod).
+MUTANTS := \
+  'sidecar.slurmtext.x_parse_*' \
+  'sidecar.host.upload.plan.*' \
+  'sidecar.host.upload.commit_check.x_[!h]*' \
+  'sidecar.host.upload.identity.x_unmounted_reason*' \
+  'sidecar.host.upload.identity.x_mount_of*' \
+  'sidecar.host.upload.identity.xǁVolumeIdentityǁ[cs]*' \
+  'sidecar.host.upload.identity.xǁVolumeIdentityǁ_check_marker*' \
+  'sidecar.host.drill.x_verdict_of*' \
+  'sidecar.host.drill.xǁDrillBoardǁreport*' \
+  'sidecar.host.drill.xǁDrillBoardǁ_decide*' \
+  'sidecar.host.protection.xǁProtectionBoardǁverdicts*' \
+  'sidecar.host.reclaims.xǁReclaimLedgerǁrecord*' \
+  'sidecar.host.reclaims.x__key*' \
+  'sidecar.host.approve.xǁApproverǁ_check*' \
+  'sidecar.train.policy.xǁSavePolicyǁdecide*'
+
+.PHONY: mutation
+mutation: $(ALL)
+	rm -rf mutants
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	$(BIN)/mutmut results | grep -v ': not checked$$' | tee mutants/survivors.txt

@@ -89,6 +89,18 @@ def test_a_row_has_exactly_five_fields() -> None:
             parse_job_rows(line)
 
 
+def test_a_blank_line_between_rows_is_skipped_not_the_end_of_the_answer() -> None:
+    rows = parse_job_rows(REAL_ROW + "\n" + "2|PENDING|Unknown|10:00|debug\n")
+    assert [(row.job_id, row.running) for row in rows] == [("1", True), ("2", False)]
+
+
+def test_a_partition_value_with_equals_signs_is_read_whole() -> None:
+    # A partition record's TRES is `name=value` pairs: the first `=` ends the word's name.
+    record = parse_record("PartitionName=debug TRES=cpu=2,mem=7940M,node=1 GraceTime=30\n")
+    assert record == {"PartitionName": "debug", "TRES": "cpu=2,mem=7940M,node=1",
+                      "GraceTime": "30"}
+
+
 def recorded_slurm(command: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
     """Slurm's answers for the job named to forge its end, as the real cluster gave them."""
     if command[:3] == ["scontrol", "show", "job"]:
