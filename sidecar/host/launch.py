@@ -124,8 +124,8 @@ def run_command(command: Sequence[str], env: Optional[dict[str, str]] = None) ->
 
 
 def restore_before(args: argparse.Namespace) -> Optional[int]:
-    """Restore when ``--restore-from`` is given: None to go on (restored, already there,
-    or nothing yet: a first start), else the exit code to stop with."""
+    """Restore when ``--restore-from`` (or its variable) is given: None to go on (restored,
+    already there, or nothing yet: a first start), else the exit code to stop with."""
     from sidecar.host.settings import ConfigError, load_settings, storage_options
     from sidecar.host.upload.fetch import restore_newest
     from sidecar.host.upload.volume import EXIT_NOTHING, RestoreError
@@ -154,6 +154,14 @@ def restore_before(args: argparse.Namespace) -> Optional[int]:
     return None
 
 
+def _env(name: str) -> str:
+    """The ESI_SIDECAR_* variable of the setting ``name``, from the settings table."""
+    from sidecar.host.settings import OPTIONS
+
+    (option,) = [option for option in OPTIONS if option.name == name]
+    return option.env
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = list(args.run_command)
     if command[:1] == ["--"]:
@@ -162,11 +170,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("esi-sidecar run: give the command after --: esi-sidecar run [--restore-from "
               "URL --to DIR] -- python train.py", file=sys.stderr)
         return EXIT_USAGE
-    if (args.upload_to is None) != (args.upload_from is None):
-        print("esi-sidecar run: --restore-from and --to go together", file=sys.stderr)
+    # The flags, else the ESI_SIDECAR_UPLOAD_TO / _FROM that `restore` reads too (issue 39:
+    # run ignored them): each named by the one settings table.
+    asked = {name: getattr(args, name) is not None or bool(os.environ.get(_env(name), "").strip())
+             for name in ("upload_to", "upload_from")}
+    if asked["upload_to"] != asked["upload_from"]:
+        print(f"esi-sidecar run: --restore-from ({_env('upload_to')}) and --to "
+              f"({_env('upload_from')}) go together", file=sys.stderr)
         return EXIT_USAGE
-    # Only when asked: an ESI_SIDECAR_UPLOAD_TO in the job's environment restores nothing.
-    stop = None if args.upload_to is None else restore_before(args)
+    stop = restore_before(args) if asked["upload_to"] else None
     if stop is not None:
         return stop
     return run_command(command)

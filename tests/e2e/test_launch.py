@@ -232,11 +232,28 @@ def test_the_launchers_own_exit_codes(tmp_path: Path) -> None:
                         str(tmp_path / "local"), "--", *touch)
     assert fresh.returncode == 0 and ran.exists()
     assert "nothing to restore" in fresh.stderr and "starting fresh" in fresh.stderr
-    # An upload setting in the environment alone restores nothing.
-    quiet = esi_sidecar("run", "--", sys.executable, "-c", "raise SystemExit(5)",
-                        env=clean_env(ESI_SIDECAR_UPLOAD_TO=(tmp_path / "gone").as_uri(),
-                                      ESI_SIDECAR_UPLOAD_FROM=str(tmp_path / "l")))
+    # No upload setting: nothing to restore, the command alone.
+    quiet = esi_sidecar("run", "--", sys.executable, "-c", "raise SystemExit(5)")
     assert quiet.returncode == 5 and quiet.stderr == ""
+
+
+def test_run_reads_the_upload_variables_that_restore_reads(tmp_path: Path) -> None:
+    """ESI_SIDECAR_UPLOAD_TO / _FROM, as `esi-sidecar restore` reads them (issue 39: run
+    ignored them and started fresh over a checkpoint on the volume)."""
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    with atomic_checkpoint(volume, 30) as folder:
+        (folder / "model.pt").write_bytes(b"weights")
+    show = [sys.executable, "-c", "import sys; from sidecar.checkpoint.folders import "
+            f"latest_valid; print(latest_valid({str(local)!r}).step)"]
+    env = clean_env(ESI_SIDECAR_UPLOAD_TO=volume.as_uri(), ESI_SIDECAR_UPLOAD_FROM=str(local))
+    restored = esi_sidecar("run", "--", *show, env=env)
+    assert restored.returncode == 0, restored.stderr
+    assert restored.stdout.strip() == "30" and "(step 30) restored from" in restored.stderr
+    gone = esi_sidecar("run", "--", *show, env=clean_env(
+        ESI_SIDECAR_UPLOAD_TO=(tmp_path / "gone").as_uri(), ESI_SIDECAR_UPLOAD_FROM=str(local)))
+    assert gone.returncode == EXIT_RESTORE_FAILED and "is the volume mounted?" in gone.stderr
+    half = esi_sidecar("run", "--", *show, env=clean_env(ESI_SIDECAR_UPLOAD_TO=volume.as_uri()))
+    assert half.returncode == EXIT_USAGE and "ESI_SIDECAR_UPLOAD_FROM" in half.stderr
 
 
 # ---------------------------------------------------------------------- the recipes
