@@ -78,6 +78,7 @@ class Daemon:
     approver: Optional[Approver] = None  # --azure-approve
     events: Optional[EventHistory] = None  # what the jobs said (GET /v1/events)
     state: Optional[StateFile] = None  # --state-file: what survives a restart
+    follower: Optional[Any] = None  # upload.follower.Follower: the checkpoint waits for the job
 
 
 def build_sources(settings: Settings) -> list[Source]:
@@ -116,6 +117,7 @@ def build_daemon(settings: Settings) -> Daemon:
         traits=traits_of(source.name for source in sources),
     )
     uploader = _build_uploader(settings, store, state) if settings.upload_to is not None else None
+    follower = _build_follower(settings, reclaims) if uploader is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
     protection = ProtectionBoard(
         store, notice_table({s.name: s.notice_seconds for s in specs()}, settings.notices),
@@ -130,6 +132,8 @@ def build_daemon(settings: Settings) -> Daemon:
         poller.start()
         if uploader is not None:
             uploader.start()
+        if follower is not None:
+            follower.start()
         tasks = [asyncio.create_task(_announce_ready(poller, store)),
                  asyncio.create_task(_check_protection(protection, reclaims))]
         if approver is not None:
@@ -149,6 +153,8 @@ def build_daemon(settings: Settings) -> Daemon:
             def left() -> float:
                 return max(0.1, stop_by - time.monotonic())
 
+            if follower is not None:
+                follower.stop(timeout=left())  # a copy in progress is removed next start
             if uploader is not None:
                 uploader.stop(timeout=left())  # an upload in progress restarts cleanly
             poller.stop(timeout=left())
@@ -162,7 +168,8 @@ def build_daemon(settings: Settings) -> Daemon:
                      writes_need_token=settings.writes_need_token)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
-    return Daemon(settings, store, poller, app, connections, uploader, approver, events, state)
+    return Daemon(settings, store, poller, app, connections, uploader, approver, events, state,
+                  follower)
 
 
 def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
@@ -206,6 +213,24 @@ def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Any:
     if volume is not None:  # its identity survives a restart (issue 35, item 8)
         state.add(VolumeSection(volume.identity, on_change=state.write))
     return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
+
+
+def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Any:
+    """The follower (issue 40, item 2), unless --prefetch false."""
+    if not settings.upload_prefetch or settings.upload_from is None:
+        return None
+    from sidecar.host.upload.follow_sources import S3Source, VolumeSource
+    from sidecar.host.upload.follower import Follower
+    from sidecar.host.upload.location import parse_destination
+    from sidecar.host.upload.storage import StorageConfig
+
+    where = parse_destination(settings.upload_to or "")
+    storage = StorageConfig(**storage_options(settings))
+    source = VolumeSource(where, storage.max_bandwidth) if isinstance(where, Path) else \
+        S3Source(storage, where)
+    return Follower(Path(settings.upload_from), source,
+                    on_brought=lambda b: reclaims.note_restore(b.name, b.started_unix,
+                                                               b.finished_unix))
 
 
 def _build_approver(sources: list[Source], uploader: Any) -> Approver:

@@ -9,6 +9,13 @@ the wait after the final save, redone the training after that state. The account
 them; exported in ``/metrics`` (counters and a histogram of lost seconds) and drawn on the
 status page (issue 24, item 3).
 
+The time to resume (issue 40, item 3): an account a restore posts on the next machine stays
+open until the job's first step there (its first ``step-estimate`` or save event after
+the restore); then it closes with the time from the release to that step, split into
+waiting for a machine, the restore (the follower's copy when it brought the checkpoint
+the restore found in place: :meth:`ReclaimLedger.note_restore`) and the job's start-up.
+Served in each account, as a histogram beside the lost seconds, and in the ratio.
+
 What is posted is hostile input (issue 35, item 7): any local process can post events or
 an account. So the mean time between reclaims comes only from the releases the daemon saw
 itself (``sidecar.host.releases_seen``), never from an account; accounts are attributed
@@ -37,7 +44,7 @@ from prometheus_client.core import (
 from sidecar.host.event_limits import TokenBucket
 from sidecar.host.releases_seen import NEAR_SECONDS, ReleasesSeen
 from sidecar.train.protection import short_duration
-from sidecar.train.reclaim_cost import ReleaseCost, effective_ratio, release_cost
+from sidecar.train.reclaim_cost import ReleaseCost, effective_ratio, release_cost, with_resume
 
 __all__ = ["ACCOUNTS_BURST", "LOST_BUCKETS", "AccountRefused", "ReclaimLedger",
            "account_from_events"]
@@ -57,6 +64,12 @@ SLACK_SECONDS = 86400.0
 STATE_VERSION = 1
 # Lost GPU seconds per release: a good save loses a step or two, a missed one hours.
 LOST_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0)
+# Seconds from a release to the first step on the next machine: a waiting checkpoint and a
+# warm image resume in well under a minute, a cold pull and a slow restore in many.
+RESUME_BUCKETS = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0)
+# The events that say the job trains: its first step (a step estimate) or a save.
+STEP_KINDS = frozenset(("step-estimate", "save-started", "save-finished"))
+BROUGHT_KEPT = 16  # the follower's copies remembered (one per checkpoint it brought)
 
 
 class _Events(Protocol):
@@ -152,6 +165,20 @@ class ReclaimLedger:
         self._refused = {"implausible": 0, "rate": 0}
         self._logged_at: Optional[float] = None
         self._unlogged = 0
+        self._brought: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._resumes: list[float] = []  # every time to resume, for the histogram (bounded)
+
+    def note_restore(self, name: str, started_unix: float, finished_unix: float) -> None:
+        """The follower put ``name`` in place between these instants (issue 40)."""
+        with self._lock:
+            self._brought[name] = (started_unix, finished_unix)
+            while len(self._brought) > BROUGHT_KEPT:
+                self._brought.popitem(last=False)
+
+    def brought(self, name: object) -> Optional[tuple[float, float]]:
+        """When the follower brought ``name`` (its start and end), or None."""
+        with self._lock:
+            return self._brought.get(name) if isinstance(name, str) else None
 
     def record(self, cost: ReleaseCost, posted_by: str = "job events") -> bool:
         """Keep one account (once per job and release); True when it was new, False when
@@ -214,6 +241,43 @@ class ReclaimLedger:
         totals["redone"] += cost.redone_seconds
         totals["saves"] += cost.saves
         self._observed = [*self._observed, cost.lost_seconds][-10_000:]
+        if cost.resume_seconds is not None:  # closed already (a restart's own accounts)
+            totals["resume"] = totals.get("resume", 0.0) + cost.resume_seconds
+            self._resumes = [*self._resumes, cost.resume_seconds][-10_000:]
+
+    def _close_resumes(self, history: list[dict[str, Any]]) -> None:
+        """Close each open account at the first step after its restore."""
+        with self._lock:
+            open_ = [a for a in self._accounts if a.cost.resumed_unix is None
+                     and a.cost.restore_finished_unix is not None]
+        closed = []
+        for account in open_:
+            after = account.cost.restore_finished_unix or 0.0
+            steps = [float(e["at_unix"]) for e in history
+                     if e["kind"] in STEP_KINDS and float(e["at_unix"]) >= after]
+            if not steps:
+                continue
+            cost = with_resume(account.cost, restore_started_unix=account.cost.
+                               restore_started_unix or after, restore_finished_unix=after,
+                               resumed_unix=min(steps))
+            closed.append((account, _Account(cost, account.posted_by)))
+        if not closed:
+            return
+        with self._lock:
+            for old, new in closed:
+                self._accounts = deque((new if a is old else a for a in self._accounts),
+                                       maxlen=KEPT)
+                self._totals["resume"] = self._totals.get("resume", 0.0) + (
+                    new.cost.resume_seconds or 0.0)
+                self._resumes = [*self._resumes, new.cost.resume_seconds or 0.0][-10_000:]
+        for _, new in closed:
+            split = new.cost.resume_split() or {}
+            log.info("training again %.0f s after the release (waiting for a machine %.0f s, "
+                     "restore %.1f s, start-up %.1f s)", new.cost.resume_seconds or 0.0,
+                     split.get("waiting", 0.0), split.get("restore", 0.0),
+                     split.get("startup", 0.0))
+        if self._on_change is not None:
+            self._on_change()
 
     def check(self) -> None:
         """Note the release of the deadline the daemon serves when it comes, and close the
@@ -225,6 +289,7 @@ class ReclaimLedger:
         if self._events is None:
             return
         history = list(reversed(self._events.body(limit=500).get("events", [])))
+        self._close_resumes(history)
         for job in {e["job"] for e in history if e["kind"] == "stop" and e.get("released")}:
             cost = account_from_events([e for e in history if e["job"] == job],
                                        uploads=self._uploads)
@@ -269,6 +334,7 @@ class ReclaimLedger:
                 "count": totals["count"], "lost_seconds_total": totals["lost"],
                 "idle_seconds_total": totals["idle"],
                 "redone_seconds_total": totals["redone"],
+                "resume_seconds_total": totals.get("resume", 0.0),
                 "effective_ratio": effective_ratio([a.cost for a in accounts]),
                 "releases_seen": seen, "refused": refused}
 
@@ -299,7 +365,7 @@ class ReclaimLedger:
                 posted_by = "job events" if cost.closed_by == "daemon" else "restore"
             accounts.append(_Account(cost, posted_by[:100]))
         kept = {}
-        for name in ("count", "lost", "idle", "redone", "saves"):
+        for name in ("count", "lost", "idle", "redone", "saves", "resume"):
             value = totals.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"totals.{name}: not a non-negative number")
@@ -312,6 +378,8 @@ class ReclaimLedger:
                 self._remember(_key(account.cost))
             self._totals = kept
             self._observed = [a.cost.lost_seconds for a in accounts]
+            self._resumes = [a.cost.resume_seconds for a in accounts
+                             if a.cost.resume_seconds is not None]
             self._seen = seen
 
     # ------------------------------------------------------------------ metrics
@@ -320,6 +388,8 @@ class ReclaimLedger:
         with self._lock:
             totals = dict(self._totals)
             observed = list(self._observed)
+            resumes = list(self._resumes)
+            resume_total = self._totals.get("resume", 0.0)
             ratio = effective_ratio([a.cost for a in self._accounts])
             refused = dict(self._refused)
         counters = []
@@ -355,7 +425,18 @@ class ReclaimLedger:
             f"{ACCOUNTS_BURST} at once, then one a minute)", labels=["reason"])
         for reason, count in refused.items():
             refused_metric.add_metric([reason], count)
-        return [*counters, histogram, effective, refused_metric]
+        resume_buckets = [(f"{bound:g}", sum(1 for value in resumes if value <= bound))
+                          for bound in RESUME_BUCKETS] + [("+Inf", len(resumes))]
+        resume = HistogramMetricFamily(
+            "esi_sidecar_release_resume_seconds", "Seconds from each release to the job's "
+            "first step on the next machine (waiting for a machine, restore, start-up; the "
+            f"last {KEPT} kept across restarts)", buckets=resume_buckets,
+            sum_value=sum(resumes))
+        resume_counter = CounterMetricFamily(
+            "esi_sidecar_reclaim_resume_seconds", "Seconds from releases to the first step "
+            "on the next machine, every account closed")
+        resume_counter.add_metric([], resume_total)
+        return [*counters, resume_counter, histogram, resume, effective, refused_metric]
 
 
 def _key(cost: ReleaseCost) -> tuple[Optional[str], float]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -28,7 +29,9 @@ from sidecar.train.reclaim_cost import ReleaseCost, release_cost
 __all__ = ["MAX_BODY_BYTES", "add_reclaim_routes", "cost_of_restore"]
 
 MAX_BODY_BYTES = 4096
-_FIELDS = {"released_unix", "state_unix", "resumed_step", "checkpoint"}
+_FIELDS = {"released_unix", "state_unix", "resumed_step", "checkpoint",
+           "restore_started_unix", "restore_finished_unix"}
+Brought = Callable[[object], Optional[tuple[float, float]]]
 
 
 def _answer(body: Any, status: int = 200) -> Response:
@@ -36,18 +39,28 @@ def _answer(body: Any, status: int = 200) -> Response:
                     media_type="application/json")
 
 
-def cost_of_restore(raw: bytes, now: float) -> ReleaseCost:
+def cost_of_restore(raw: bytes, now: float,
+                    brought: Brought = lambda name: None) -> ReleaseCost:
     """The account a restore posted, or ValueError naming the problem. Idle and redone
     cannot be told apart from the next machine: the time after the state counts as
-    redone."""
+    redone. The restore's start and end (optional) open the time to resume; when the
+    follower brought the ``checkpoint`` the restore found in place, its copy is the
+    restore (``brought(name)``: its start and end)."""
     body = json_object(raw, _FIELDS)
     times = {}
-    for name in ("released_unix", "state_unix"):
+    for name in ("released_unix", "state_unix", "restore_started_unix",
+                 "restore_finished_unix"):
         value = body.get(name)
+        if value is None and name.startswith("restore_"):
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 math.isfinite(value) and 0 < value <= now + 86400):
             raise ValueError(f"{name}: not a Unix time up to a day ahead: {value!r:.40}")
         times[name] = float(value)
+    if ("restore_started_unix" in times) != ("restore_finished_unix" in times):
+        raise ValueError("restore_started_unix and restore_finished_unix go together")
+    if times.get("restore_started_unix", 0.0) > times.get("restore_finished_unix", 0.0):
+        raise ValueError("restore_finished_unix: before restore_started_unix")
     if times["state_unix"] > times["released_unix"]:
         raise ValueError("state_unix: after released_unix (the state restored is newer "
                          "than the release)")
@@ -55,8 +68,15 @@ def cost_of_restore(raw: bytes, now: float) -> ReleaseCost:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"resumed_step: not a step: {step!r:.40}")
     released, state = times["released_unix"], times["state_unix"]
-    return release_cost(released_unix=released, state_unix=state, resumed_step=step,
+    cost = release_cost(released_unix=released, state_unix=state, resumed_step=step,
                         trained=[(state, released)], closed_by="restore")
+    window = brought(body.get("checkpoint"))
+    if window is None and "restore_started_unix" in times:
+        window = (times["restore_started_unix"], times["restore_finished_unix"])
+    if window is None:
+        return cost
+    return replace(cost, restore_started_unix=max(released, window[0]),
+                   restore_finished_unix=max(released, window[0], window[1]))
 
 
 def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
@@ -83,7 +103,7 @@ def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
         if len(raw) > MAX_BODY_BYTES:
             return too_large
         try:
-            cost = cost_of_restore(raw, clock())
+            cost = cost_of_restore(raw, clock(), ledger.brought)
         except ValueError as exc:
             return _answer({"error": str(exc)}, 422)
         peer = "an unknown peer" if request.client is None else request.client.host

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -22,9 +23,13 @@ __all__ = ["close_release_account"]
 
 
 def close_release_account(folder: Path, released_at: str, urls: Sequence[str],
-                          timeout: float) -> None:
+                          timeout: float, restore_seconds: Optional[float] = None) -> None:
     """Print the release's cost from the checkpoint in ``folder``, then post it to each of
-    ``urls`` (each says in one line whether it recorded it)."""
+    ``urls`` (each says in one line whether it recorded it). ``restore_seconds``: how long
+    the restore just done took; with it the daemon also closes the time to resume at the
+    job's first step (issue 40, item 3; a checkpoint the daemon's follower brought counts
+    its copy instead)."""
+    finished = time.time()
     try:
         released = parse_timestamp(released_at).when.timestamp()
         state, step = state_of_manifest(json.loads((folder / MANIFEST_NAME).read_text()))
@@ -35,9 +40,13 @@ def close_release_account(folder: Path, released_at: str, urls: Sequence[str],
     print(f"the release cost {lost:.1f} s of GPU time: from the state of step {step} "
           f"({format_rfc3339(state)}) to the release ({format_rfc3339(released)})",
           flush=True)
+    account: dict[str, object] = {"released_unix": released, "state_unix": state,
+                                  "resumed_step": step, "checkpoint": folder.name}
+    if restore_seconds is not None:
+        account["restore_started_unix"] = finished - max(0.0, restore_seconds)
+        account["restore_finished_unix"] = finished
     for url in urls:
-        _post(url, {"released_unix": released, "state_unix": state, "resumed_step": step,
-                    "checkpoint": folder.name}, timeout)
+        _post(url, account, timeout)
 
 
 def _post(url: str, account: dict[str, object], timeout: float) -> None:

@@ -108,6 +108,7 @@ class Settings:
     upload_scan_interval: float = DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS
     upload_addressing_style: str = "auto"
     upload_max_bandwidth: Optional[int] = None  # bytes per second; None: no cap
+    upload_prefetch: bool = True  # the follower (upload/follower.py): on with upload
     # AWS EC2 (the aws source): the instance metadata service, IMDSv2 unless allowed.
     aws_imds_url: str = DEFAULT_AWS_IMDS_URL
     aws_imdsv1: bool = False
@@ -427,6 +428,11 @@ OPTIONS: tuple[Option, ...] = (
            "second, e.g. 200MiB, when the uploader shares the NIC with training (default: "
            "no cap); the durability estimate uses it until an upload was measured", "RATE",
            group=GROUP_UPLOAD),
+    Option("upload_prefetch", parse_boolean, "with --upload-from and --upload-to: bring the "
+           "newest durable checkpoint into --upload-from at start, before any job, and newer "
+           "ones until a job writes there (true, the default); it costs one checkpoint's "
+           "bytes read and kept on the local disk when no job comes. false: a host that must "
+           "not read the destination", "true|false", group=GROUP_UPLOAD),
     Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
            "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE",
            group=GROUP_UPLOAD),

@@ -11,19 +11,22 @@ the simulator's (docs/simulation.md):
 - of it *redone*: the training time after that state (steps to do again);
 - of it *idle*: neither training nor saving (waiting for the release after the final save);
 - the *effective-training-time ratio*: training time on state that survives, over the wall
-  time, across every machine the job ran on.
+  time, across every machine the job ran on, the time to resume included;
+- the *time to resume* (issue 40, item 3), closed on the next machine: from the release to
+  the job's first step after the restore, split into waiting for a machine (to the start
+  of the restore), the restore, and the job's own start-up until its first step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from sidecar.timeparse import parse_timestamp
 
 __all__ = ["ReleaseCost", "effective_ratio", "lost_seconds", "redone_seconds",
-           "release_cost", "state_of_manifest"]
+           "release_cost", "state_of_manifest", "with_resume"]
 
 
 def lost_seconds(released_unix: float, state_unix: float) -> float:
@@ -52,6 +55,24 @@ class ReleaseCost:
     started_unix: Optional[float] = None
     job: Optional[str] = None
     closed_by: str = "daemon"  # "daemon" (from the job's events) or "restore"
+    # The next machine (None until known): the restore's start and end, the first step.
+    restore_started_unix: Optional[float] = None
+    restore_finished_unix: Optional[float] = None
+    resumed_unix: Optional[float] = None
+
+    @property
+    def resume_seconds(self) -> Optional[float]:
+        """From the release to the job's first step on the next machine."""
+        return None if self.resumed_unix is None else self.resumed_unix - self.released_unix
+
+    def resume_split(self) -> Optional[dict[str, float]]:
+        """waiting (for a machine), restore, startup (the job's own, to its first step)."""
+        if self.resumed_unix is None or self.restore_started_unix is None \
+                or self.restore_finished_unix is None:
+            return None
+        return {"waiting": self.restore_started_unix - self.released_unix,
+                "restore": self.restore_finished_unix - self.restore_started_unix,
+                "startup": self.resumed_unix - self.restore_finished_unix}
 
     @property
     def survived_seconds(self) -> Optional[float]:
@@ -67,7 +88,10 @@ class ReleaseCost:
         return max(0.0, self.released_unix - self.started_unix)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        split = self.resume_split() or {}
+        return {**asdict(self), "resume_seconds": self.resume_seconds,
+                "waiting_seconds": split.get("waiting"), "restore_seconds": split.get("restore"),
+                "startup_seconds": split.get("startup")}
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ReleaseCost:
@@ -97,7 +121,10 @@ class ReleaseCost:
             resumed_step=step, lost_seconds=number("lost_seconds") or 0.0,
             redone_seconds=number("redone_seconds") or 0.0,
             idle_seconds=number("idle_seconds") or 0.0, saves=saves,
-            started_unix=number("started_unix", optional=True), job=job, closed_by=closed_by)
+            started_unix=number("started_unix", optional=True), job=job, closed_by=closed_by,
+            restore_started_unix=number("restore_started_unix", optional=True),
+            restore_finished_unix=number("restore_finished_unix", optional=True),
+            resumed_unix=number("resumed_unix", optional=True))
 
 
 def state_of_manifest(manifest: Mapping[str, Any]) -> tuple[float, Optional[int]]:
@@ -132,12 +159,23 @@ def release_cost(
         saves=saves, started_unix=started_unix, job=job, closed_by=closed_by)
 
 
+def with_resume(cost: ReleaseCost, *, restore_started_unix: float,
+                restore_finished_unix: float, resumed_unix: float) -> ReleaseCost:
+    """``cost`` closed with the next machine's timeline, each instant no earlier than the
+    one before it (a machine up before the release waited for nothing)."""
+    started = max(cost.released_unix, restore_started_unix)
+    finished = max(started, restore_finished_unix)
+    return replace(cost, restore_started_unix=started, restore_finished_unix=finished,
+                   resumed_unix=max(finished, resumed_unix))
+
+
 def effective_ratio(costs: Iterable[ReleaseCost]) -> Optional[float]:
     """Training time on state that survives over wall time, across the releases whose
-    start is known; None when none is."""
+    start is known; None when none is. The time to resume, where known, is wall time
+    no one trained."""
     survived = wall = 0.0
     for cost in costs:
         if cost.wall_seconds is not None and cost.survived_seconds is not None:
             survived += cost.survived_seconds
-            wall += cost.wall_seconds
+            wall += cost.wall_seconds + (cost.resume_seconds or 0.0)
     return None if wall <= 0 else survived / wall

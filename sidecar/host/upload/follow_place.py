@@ -145,7 +145,7 @@ def link_unchanged(previous_fd: int, folder: Path, entries: tuple[FileEntry, ...
 def hand_over(folder: Path, uid: int, gid: int) -> None:
     """Every file (0444) and folder (0755) of ``folder`` (private) given to ``uid``:``gid``,
     opened without following a link; folders fsynced (the links are entries too)."""
-    for current, dirnames, filenames in os.walk(folder, topdown=False):
+    for current, _dirnames, filenames in os.walk(folder, topdown=False):
         for filename in filenames:
             handle = os.open(os.path.join(current, filename), os.O_RDONLY | os.O_NOFOLLOW)
             try:
