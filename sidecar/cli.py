@@ -254,7 +254,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
             print(f"esi-sidecar restore: --url: {exc}; the account is not posted",
                   file=sys.stderr)
             urls = ()
-        close_release_account(info.path, args.released_at, urls, args.timeout)
+        close_release_account(info.path, args.released_at, urls, args.timeout,
+                              restored.seconds)
     return 0
 
 
