@@ -283,7 +283,21 @@ def _reclaims(reclaims: Optional[dict[str, Any]]) -> str:
             f"{20 + 46 * len(costs)} 110\" role=\"img\" aria-label=\"GPU time each release "
             f"cost\">{''.join(bars)}</svg><p class=\"muted\">Grey: GPU time lost; red: of it "
             f"redone; amber: idle. {_e(reclaims and reclaims.get('count'))} release(s)"
-            f"{effective}.</p>")
+            f"{effective}.</p>{_resume(costs)}")
+
+
+def _resume(costs: list[dict[str, Any]]) -> str:
+    """The newest release's time to resume on the next machine, split (issue 40)."""
+    closed = [c for c in costs if c.get("resume_seconds") is not None]
+    if not closed:
+        return ""
+    last = closed[-1]
+    split = ", ".join(f"{label} {_seconds(last.get(key))}" for label, key in (
+        ("waiting for a machine", "waiting_seconds"), ("restore", "restore_seconds"),
+        ("start-up", "startup_seconds")))
+    return (f"<p id=\"resume\">Step {_e(last.get('resumed_step'))}: training again "
+            f"{_e(human_duration(float(last['resume_seconds'])))} after the release "
+            f"({_e(split)}).</p>")
 
 
 def _seconds(value: Any) -> str:
