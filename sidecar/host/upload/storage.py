@@ -42,6 +42,7 @@ __all__ = [
     "StorageError",
     "describe_error",
     "is_access_denied",
+    "is_invalid_range",
     "is_not_found",
     "make_client",
     "transfer_config",
@@ -166,6 +167,11 @@ def is_access_denied(exc: BaseException) -> bool:
 
 def is_not_found(exc: BaseException) -> bool:
     return _code(exc) in _NOT_FOUND
+
+
+def is_invalid_range(exc: BaseException) -> bool:
+    """A ranged GET that starts past the object's end (416): the object is shorter."""
+    return _code(exc) in ("InvalidRange", "416")
 
 
 def describe_error(exc: BaseException, config: StorageConfig, what: str = "") -> str:

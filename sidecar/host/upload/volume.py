@@ -38,6 +38,7 @@ from sidecar.checkpoint.manifest import (
 )
 from sidecar.host.upload.commit_check import DurableFile, StagingDestination, durable_entries
 from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
+from sidecar.host.upload.verified_copy import FolderSource, copy_verified
 from sidecar.host.upload.volume_stage import (
     Cancelled,
     Throttle,
@@ -60,6 +61,7 @@ __all__ = [
     "commit_folder",
     "copy_checkpoint",
     "newest_on_volume",
+    "restore_checkpoint",
     "restore_from_volume",
 ]
 
@@ -354,7 +356,8 @@ def restore_from_volume(
             damaged += os.path.lexists(listing.path / MANIFEST_NAME)
             continue
         try:
-            return _restore_one(listing.info, root, started, verify_checksums)
+            return restore_checkpoint(listing.info, root, verify_checksums=verify_checksums,
+                                      started=started)
         except Invalid as exc:
             log.warning("skipping %s: %s", listing.path, exc)
             damaged += 1
@@ -368,8 +371,13 @@ def restore_from_volume(
     raise RestoreError(f"no {which} in {volume}", EXIT_NOTHING)
 
 
-def _restore_one(found: CheckpointInfo, root: Path, started: float,
-                 verify_checksums: bool) -> Restored:
+def restore_checkpoint(found: CheckpointInfo, root: Path, *, verify_checksums: bool = True,
+                       started: Optional[float] = None) -> Restored:
+    """Copy the complete checkpoint ``found`` (a folder on the volume) into ``root`` and
+    commit it there, every file checked while it is copied, files and ranges in parallel
+    (``verified_copy``). Raises :class:`Invalid` when it does not match its manifest
+    (nothing is left behind), :class:`RestoreError` for any other failure."""
+    started = time.monotonic() if started is None else started
     source = str(found.path)
     try:
         manifest = (found.path / MANIFEST_NAME).read_bytes()
@@ -380,8 +388,13 @@ def _restore_one(found: CheckpointInfo, root: Path, started: float,
     if os.path.lexists(target):
         return already_there(target, manifest, source, started)
     clean_leftovers(root)
-    try:  # checked while copying: a copy that does not match is never a checkpoint
-        final = copy_checkpoint(found, manifest, root, verify_checksums=verify_checksums)
+
+    def fill(temp: Path) -> None:  # checked while copying: a mismatch is never committed
+        copy_verified(FolderSource(found.path), found.files, temp,
+                      verify_checksums=verify_checksums)
+
+    try:
+        final = commit_folder(root, found.name, manifest, fill)
     except OSError as exc:
         raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
     point_latest(root, found.name)
