@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import wait_for
-from upload_support import MIB, make_checkpoint
+from upload_support import MIB, S3Server, commit_to_s3, isolate_aws_env, make_checkpoint
 
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid, list_checkpoints
-from sidecar.host.upload.follow_sources import VolumeSource
+from sidecar.host.upload.follow_sources import S3Source, VolumeSource
 from sidecar.host.upload.follower import Follower
+from sidecar.host.upload.location import S3Location
 
 OWNER = (4321, 4321)  # the job's user: not the daemon's (root)
 FILES = {f"shard-{i}.bin": MIB for i in range(8)}
@@ -161,3 +162,19 @@ def test_the_follower_never_writes_over_or_through_the_jobs_links(
     assert os.path.islink(job_folder / remote.name)
     assert follower.brought == []
     wait_for(lambda: not any(n.startswith(".tmp-follow.") for n in entries(job_folder)))
+
+
+def test_from_s3_the_follower_brings_the_newest_durable_checkpoint(
+        s3: S3Server, bucket: S3Location, job_folder: Path, tmp_path: Path,
+        follow: list[Follower], monkeypatch: pytest.MonkeyPatch) -> None:
+    isolate_aws_env(monkeypatch)
+    for step in (100, 200):
+        commit_to_s3(s3, bucket, make_checkpoint(tmp_path / "old-machine", step, FILES))
+    follower = Follower(job_folder, S3Source(s3.storage(), bucket), interval_seconds=0.05)
+    follow.append(follower)
+    follower.start()
+    wait_for(lambda: len(follower.brought) == 1, timeout=30)
+    info = latest_valid(job_folder, verify_checksums=True)
+    assert info is not None and info.step == 200
+    assert os.lstat(info.path / "shard-3.bin").st_uid == OWNER[0]
+    wait_for(lambda: entries(job_folder) == {info.name, "latest"})
