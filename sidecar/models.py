@@ -233,7 +233,8 @@ def _notices(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
 
 @dataclass(frozen=True)
 class Decision:
-    """The body of ``GET /v1/decision``: the seed rule evaluated once."""
+    """The body of ``GET /v1/decision``: the fixed rule (save when the time left is at most
+    step + save + upload + margin), evaluated once."""
 
     save_now: bool
     remaining_seconds: Optional[float]

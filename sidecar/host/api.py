@@ -157,7 +157,14 @@ def create_app(
     async def expiry() -> Response:
         return _json(current_expiry(store, uploads, clock(), drills).to_json())
 
-    @app.get("/v1/decision", response_model=Decision, summary="Save now? (the seed rule)")
+    @app.get("/v1/decision", response_model=Decision,
+             summary="Save now? The fixed rule: save when the time left is at most one step "
+             "+ one save (+ its upload) + the margin",
+             description="A stateless answer for a job that measures its own step and save "
+             "times (verl's rule): save_now is true when 0 < remaining_seconds <= "
+             "step_seconds + save_seconds + upload_seconds + redundant_seconds. The guard "
+             "in the training process (CheckpointGuard) decides with more: measured "
+             "quantiles, routine saves, the upload's progress (docs/save-rule.md).")
     async def decision(
         step_seconds: float = _seconds("longest recent step, seconds"),
         save_seconds: float = _seconds("time one save takes, seconds", DEFAULT_SAVE_SECONDS),
@@ -317,12 +324,30 @@ def _endpoints_page(schema: dict[str, Any]) -> str:
             rows.append(
                 f"<tr><td><code>{html.escape(method.upper())} {html.escape(path)}</code></td>"
                 f"<td>{html.escape(operation.get('summary', ''))}"
+                + (f"<br><small>{html.escape(operation['description'])}</small>"
+                   if operation.get("description") else "")
                 + (f"<ul>{parameters}</ul>" if parameters else "") + "</td></tr>")
     title = html.escape(f"{info.get('title', '')} {info.get('version', '')}")
     return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title>"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+            f"<style>{_DOCS_STYLE}</style>"
             f"</head><body><h1>{title}</h1><p>{html.escape(info.get('summary', ''))}</p>"
             f"<table>{''.join(rows)}</table>"
             "<p>Schema: <a href=\"/openapi.json\">/openapi.json</a></p></body></html>\n")
+
+
+# /docs loads nothing (hosts without internet): its few rules inline, readable at 390 px.
+_DOCS_STYLE = (
+    "body{font:15px/1.5 system-ui,sans-serif;max-width:60rem;margin:1.5rem auto;"
+    "padding:0 1rem;color:#1d2330}h1{font-size:1.4rem}"
+    "table{border-collapse:collapse;width:100%}td{border-top:1px solid #d8dce3;"
+    "padding:.5rem;vertical-align:top;overflow-wrap:anywhere}"
+    "td:first-child{white-space:nowrap;width:1%}code{font-size:.9em;background:#f1f3f6;"
+    "padding:0 .2em;border-radius:3px}ul{margin:.3rem 0;padding-left:1.2rem}"
+    "@media (max-width:40rem){td{display:block;width:auto!important;white-space:normal}"
+    "td:first-child{border-top:1px solid #d8dce3;padding-bottom:0}"
+    "td+td{border-top:0}}"
+)
 
 
 class _HeadAsGet:

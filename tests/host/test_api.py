@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import http.client
 import json
 import time
@@ -175,6 +176,21 @@ def test_openapi_documents_the_endpoints() -> None:
     assert all(path in page for path in schema["paths"]) and 'href="/openapi.json"' in page
     assert "step_seconds" in page  # the query parameters too
     assert redoc == 404  # ReDoc, from the same CDN, is gone
+
+
+def test_the_docs_page_is_styled_and_names_the_fixed_rule() -> None:
+    """Issue 39: /docs was bare HTML and called /v1/decision "the seed rule", a name from
+    the project's history that no reader knows."""
+    with serve_daemon(sources=("static",), expires_at="2030-01-01T00:00:00Z") as daemon:
+        _, schema = get_json(daemon.url + "/openapi.json")
+        page = get(daemon.url + "/docs")[1]
+    assert "<style>" in page and 'name="viewport"' in page
+    decision = schema["paths"]["/v1/decision"]["get"]
+    assert "seed rule" not in json.dumps(schema) and "seed rule" not in page
+    assert "the fixed rule" in decision["summary"].lower()
+    assert "step_seconds + save_seconds + upload_seconds + redundant_seconds" in (
+        decision["description"])
+    assert html.escape(decision["description"]) in page  # the page explains it too
 
 
 def test_keep_alive_connection_serves_many_requests() -> None:
