@@ -252,7 +252,6 @@ def copy_verified(
     def copy_range(item: _File, offset: int, length: int) -> None:
         if failed.is_set():
             return
-        handle = target(item)
 
         def sink(at: int, piece: Piece) -> None:
             if failed.is_set():
@@ -265,6 +264,7 @@ def copy_verified(
             on_progress(len(piece))
 
         try:
+            handle = target(item)
             source.read(item.entry, offset, length, sink)
             with item.lock:
                 item.ranges_left -= 1
