@@ -76,6 +76,8 @@ SERIAL_GROUPS = {
 }
 
 
+# tryfirst: before xdist's own hook, which reads xdist_group to keep a group on one worker.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
