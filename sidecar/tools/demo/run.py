@@ -37,7 +37,7 @@ from typing import IO, Any, Optional
 from sidecar.checkpoint.folders import latest_valid
 from sidecar.timeparse import parse_timestamp
 
-__all__ = ["add_demo_command", "run_demo"]
+__all__ = ["add_demo_command", "run_demo", "wipe_local_disk"]
 
 LOCAL_DISK = "local-disk"  # the machine's NVMe: gone at the release
 NETWORK_VOLUME = "network-volume"  # stands for vePFS / NAS: outlives the machine
@@ -198,17 +198,21 @@ def run_demo(args: argparse.Namespace) -> int:
     release = parse_timestamp(release_text).unix
     emulator.start()
     daemon_log = open(workdir / "daemon.log", "w")  # noqa: SIM115 - closed in finally
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "serve", "--source", "volcengine-esi",
-         "--api-endpoint", emulator.url, "--metadata-url", emulator.url,
-         "--listen", f"127.0.0.1:{port}", "--poll-interval", str(args.poll_interval),
-         "--state-file", str(workdir / "daemon-state.json"),
-         "--upload-from", str(local), "--upload-to", volume.resolve().as_uri(),
-         "--upload-max-bandwidth", args.upload_bandwidth, "--upload-scan-interval", "0.5"],
-        stdout=daemon_log, stderr=subprocess.STDOUT,
-        env={**os.environ, "VOLCENGINE_ACCESS_KEY": ACCESS_KEY,
-             "VOLCENGINE_SECRET_KEY": SECRET_KEY, "VOLCENGINE_ECS_METADATA_DISABLED": "true"},
-    )
+
+    def start_daemon(state: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sidecar.cli", "serve", "--source", "volcengine-esi",
+             "--api-endpoint", emulator.url, "--metadata-url", emulator.url,
+             "--listen", f"127.0.0.1:{port}", "--poll-interval", str(args.poll_interval),
+             "--state-file", str(workdir / state),
+             "--upload-from", str(local), "--upload-to", volume.resolve().as_uri(),
+             "--upload-max-bandwidth", args.upload_bandwidth, "--upload-scan-interval", "0.5"],
+            stdout=daemon_log, stderr=subprocess.STDOUT,
+            env={**os.environ, "VOLCENGINE_ACCESS_KEY": ACCESS_KEY,
+                 "VOLCENGINE_SECRET_KEY": SECRET_KEY, "VOLCENGINE_ECS_METADATA_DISABLED": "true"},
+        )
+
+    daemon = start_daemon("daemon-state.json")
     runs: list[Run] = []
     try:
         screen.say(f"1. Emulated ESI instance i-demo0001: release at {release_text} "
@@ -273,22 +277,40 @@ def run_demo(args: argparse.Namespace) -> int:
         screen.say(f"4. RELEASED: the machine is reclaimed (trainer killed with SIGKILL "
                    f"at step {(first.last_step or 0) + 1}); its local disk is gone")
 
+        daemon.send_signal(signal.SIGTERM)  # the machine's daemon goes with it
+        daemon.wait(10)
         emulator.set_release_in(3600)  # the next instance: released in an hour
+        local.mkdir()  # the next machine's empty local disk, and its daemon
+        daemon = start_daemon("daemon-state-2.json")
         deadline = time.monotonic() + 30
         while ((_get(url + "/v1/expiry") or {}).get("remaining_seconds") or 0) < 600:
             if time.monotonic() > deadline:
                 screen.say("the daemon did not see the new instance's release time")
                 return 1
             time.sleep(0.1)
+        screen.say(f"5. Next machine: its daemon brings the newest durable checkpoint from "
+                   f"{NETWORK_VOLUME}/ while the job is still starting ({args.image_pull:g} s "
+                   "standing for the image pull)")
+        pull_started = time.monotonic()
+        waiting = None
+        while time.monotonic() < pull_started + args.image_pull:
+            if waiting is None:
+                waiting = latest_valid(local, clean=False)
+                if waiting is not None:
+                    screen.say(f"   checkpoint of step {waiting.step + 1} waiting on the local "
+                               f"disk {time.monotonic() - pull_started:.1f} s into the pull")
+            screen.status("   job starting (image pull) ...")
+            time.sleep(0.1)
         restored = subprocess.run(
             [sys.executable, "-m", "sidecar.cli", "restore", "--from",
-             volume.resolve().as_uri(), "--to", str(local)],
+             volume.resolve().as_uri(), "--to", str(local), "--released-at",
+             release_text, "--url", url],
             capture_output=True, text=True, timeout=120,
         )
         back = latest_valid(local) if restored.returncode == 0 else None
         if back is not None:
-            screen.say(f"5. Next machine: esi-sidecar restore --from {NETWORK_VOLUME}/ brought "
-                       f"the checkpoint of step {back.step + 1} back onto the local disk")
+            how = "found it in place" if "already" in restored.stdout else "brought it"
+            screen.say(f"   the job's esi-sidecar restore {how}: step {back.step + 1}")
         else:
             screen.say("5. Next machine: nothing to restore ("
                        + restored.stderr.strip() + "); starting from scratch")
@@ -334,6 +356,7 @@ def run_demo(args: argparse.Namespace) -> int:
                    + (f"{NETWORK_VOLUME}/ (step {resumed_from + 1})"
                       if resumed_from is not None else "nothing"))
         screen.say(f"  steps lost            {lost} steps lost")
+        screen.say(f"  time to resume        {_time_to_resume(url)}")
         screen.say(f"  logs                  {workdir}/daemon.log, trainer-1.log, trainer-2.log")
         return 0 if lost == 0 else 1
     finally:
@@ -348,6 +371,21 @@ def run_demo(args: argparse.Namespace) -> int:
             daemon.kill()
         daemon_log.close()
         emulator.stop()
+
+
+def _time_to_resume(url: str) -> str:
+    """The next machine's daemon's account: training again N s after the release."""
+    deadline = time.monotonic() + 10  # the account closes at the first step's event
+    while time.monotonic() < deadline:
+        accounts = (_get(url + "/v1/reclaims") or {}).get("reclaims") or []
+        closed = [a for a in accounts if a.get("resume_seconds") is not None]
+        if closed:
+            last = closed[0]
+            return (f"training again {last['resume_seconds']:.1f} s after the release "
+                    f"(waiting for a machine {last['waiting_seconds']:.1f} s, restore "
+                    f"{last['restore_seconds']:.1f} s, start-up {last['startup_seconds']:.1f} s)")
+        time.sleep(0.1)
+    return "not known (no account closed by the next machine's daemon)"
 
 
 def _seconds(minimum: float) -> Any:
@@ -372,6 +410,9 @@ def add_demo_command(subparsers: Any) -> None:
     )
     demo.add_argument("--lead", type=_seconds(20), default=60.0, metavar="SECONDS",
                       help="seconds from start to the release (default 60)")
+    demo.add_argument("--image-pull", type=_seconds(0), default=3.0, metavar="SECONDS",
+                      help="the next machine's job starts this long after its daemon, standing "
+                      "for the image pull (default 3)")
     demo.add_argument("--tail", type=_seconds(1), default=15.0, metavar="SECONDS",
                       help="training left for the next machine after the release (default 15)")
     demo.add_argument("--step-seconds", type=_seconds(0.05), default=0.5,
