@@ -141,6 +141,18 @@ def _stream(quick: bool) -> dict[str, Any]:
     return bench_stream.main(quick=quick)
 
 
+def _restore(quick: bool) -> dict[str, Any]:
+    # benchmarks/bench_restore.py: needs boto3 and moto[server] for its S3 half.
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as exc:
+        raise NotRun(f"{exc.name} is not installed (the [server] and [test] extras)") from None
+    from benchmarks import bench_restore
+
+    return bench_restore.main(quick=quick)
+
+
 def _soak(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_soak import main
 
@@ -166,6 +178,8 @@ BENCHMARKS = (
               "loopback", _upload),
     Benchmark("stream", "streaming upload: save start to durable while the save writes vs "
               "after it, and unchanged files (volume, moto)", _stream),
+    Benchmark("restore", "restore from a volume vs cp -r, from S3 (moto) vs boto3 "
+              "download_file, cold caches", _restore),
     Benchmark("soak", "the daemon for 10 min: 64 keep-alive clients, hostile connections, "
               "rotating cloud faults", _soak),
 )
