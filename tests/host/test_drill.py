@@ -165,6 +165,15 @@ def test_no_report_by_the_deadline_and_the_grace_is_no_answer() -> None:
     assert drill.result == "no-answer"
 
 
+def test_every_decided_drill_is_counted_not_only_the_first_of_its_result() -> None:
+    board = DrillBoard(grace_seconds=5.0)
+    board.start(10.0, real_deadline=None, jobs=JOB, now=1000.0)
+    assert board.body(None, 1015.0)["counts"]["no-answer"] == 1
+    board.start(10.0, real_deadline=None, jobs=[{**JOB[0], "last_event_at_unix": 1016.0}],
+                now=1016.0)
+    assert board.body(None, 1031.0)["counts"]["no-answer"] == 2
+
+
 def test_an_earlier_real_deadline_wins_and_calls_the_drill_off() -> None:
     board = DrillBoard(grace_seconds=5.0)
     board.start(100.0, real_deadline=5000.0, jobs=JOB, now=1000.0)

@@ -117,6 +117,19 @@ def test_near_the_release_never_for_a_newer_one_that_would_not_end_either() -> N
     assert _gives_way(70.0, left=50.0, newer=20.0)
 
 
+def test_a_large_next_upload_brings_the_release_near_before_the_window() -> None:
+    # 900 s away is outside the 600 s window, but within twice a 500 s next upload: near.
+    # 500 s left (600 s) and 400 s newer (480 s) do not both fit; the newer one alone does.
+    assert _gives_way(900.0, left=500.0, newer=400.0, next_upload=500.0)
+    assert not _gives_way(900.0, left=500.0, newer=400.0, next_upload=60.0)  # far
+
+
+def test_a_newer_one_that_ends_exactly_at_the_release_still_goes_first() -> None:
+    # 50 s newer is 60 s with the margin, 60 s away; with 10 s left both do not fit.
+    assert upload_seconds(50.0, 1.0) == 60.0
+    assert _gives_way(60.0, left=10.0, newer=50.0)
+
+
 def test_near_the_release_an_unknown_rate_gives_way() -> None:
     assert _gives_way(500.0, rate=None)
     assert _gives_way(500.0, rate=0.0)
