@@ -37,7 +37,7 @@ from typing import IO, Any, Optional
 from sidecar.checkpoint.folders import latest_valid
 from sidecar.timeparse import parse_timestamp
 
-__all__ = ["add_demo_command", "run_demo", "wipe_local_disk"]
+__all__ = ["add_demo_command", "run_demo"]
 
 LOCAL_DISK = "local-disk"  # the machine's NVMe: gone at the release
 NETWORK_VOLUME = "network-volume"  # stands for vePFS / NAS: outlives the machine
