@@ -9,6 +9,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from sidecar.checkpoint.folders import latest_valid
 
 
@@ -47,3 +49,32 @@ def test_demo_saves_in_time_survives_the_kill_and_resumes(tmp_path: Path) -> Non
     found = latest_valid(workdir / "local-disk")
     assert found is not None and found.step == total - 1  # the second run finished
     assert latest_valid(workdir / "network-volume") is not None  # every save went there too
+    # The wipe takes the disk at once: the uploader never sees a half-deleted checkpoint
+    # (issue 39: "not uploading step_...: file guard.json listed in the manifest is missing").
+    log = (workdir / "daemon.log").read_text()
+    assert "listed in the manifest is missing" not in log, log
+
+
+def test_the_local_disk_goes_at_once_never_file_by_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's reclaim: ``local-disk`` is gone before any file in it is deleted, so the
+    daemon's uploader, rescanning it, finds the whole folder or nothing."""
+    import shutil
+
+    from sidecar.checkpoint.folders import atomic_checkpoint
+    from sidecar.tools.demo import run
+
+    local = tmp_path / "local-disk"
+    with atomic_checkpoint(local, 3) as folder:
+        (folder / "guard.json").write_text("{}")
+    seen: list[bool] = []
+    real_rmtree = shutil.rmtree
+
+    def watched_rmtree(path: Path, *args: object, **kwargs: object) -> None:
+        seen.append(local.exists())  # the folder the uploader watches, as deletion starts
+        real_rmtree(path)
+
+    monkeypatch.setattr(run.shutil, "rmtree", watched_rmtree)
+    run.wipe_local_disk(local)
+    assert seen == [False] and not local.exists()
+    assert list(tmp_path.iterdir()) == []

@@ -37,7 +37,7 @@ from typing import IO, Any, Optional
 from sidecar.checkpoint.folders import latest_valid
 from sidecar.timeparse import parse_timestamp
 
-__all__ = ["add_demo_command", "run_demo"]
+__all__ = ["add_demo_command", "run_demo", "wipe_local_disk"]
 
 LOCAL_DISK = "local-disk"  # the machine's NVMe: gone at the release
 NETWORK_VOLUME = "network-volume"  # stands for vePFS / NAS: outlives the machine
@@ -81,6 +81,15 @@ class Run:
                 self.stopped_at = event["step"]
             elif kind == "done":
                 self.done = True
+
+
+def wipe_local_disk(local: Path) -> None:
+    """The disk goes at once, as a reclaimed machine's does: renamed away, then deleted. A
+    folder deleted file by file would show the daemon's uploader, rescanning it, a checkpoint
+    whose manifest lists a file already gone (issue 39: "guard.json ... is missing")."""
+    gone = local.with_name(f".{local.name}-gone")
+    os.rename(local, gone)
+    shutil.rmtree(gone)
 
 
 def _read_events(stream: IO[str], events: queue.Queue[dict[str, Any]]) -> None:
@@ -273,7 +282,7 @@ def run_demo(args: argparse.Namespace) -> int:
             first.process.send_signal(signal.SIGKILL)
         first.process.wait()
         first.drain()
-        shutil.rmtree(local)  # the machine's local disk goes with it
+        wipe_local_disk(local)  # the machine's local disk goes with it
         screen.say(f"4. RELEASED: the machine is reclaimed (trainer killed with SIGKILL "
                    f"at step {(first.last_step or 0) + 1}); its local disk is gone")
 
