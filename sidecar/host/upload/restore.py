@@ -206,7 +206,7 @@ def restore_checkpoint(
         raise RestoreError(describe_error(exc, storage, f"reading {source}")) from None
     keys = {entry.path: source_key(location, found.name, entry.path, references)
             for entry in found.info.files}
-    files = S3Source(client, location.bucket, keys)
+    files = S3Source(client, location.bucket, keys, storage.max_bandwidth)
 
     def fill(temp: Path) -> None:
         try:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from botocore.exceptions import ClientError, IncompleteReadError
 from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
@@ -22,6 +23,7 @@ from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 from sidecar.checkpoint.manifest import FileEntry, Invalid
 from sidecar.host.upload.storage import StorageError, is_invalid_range, is_not_found
 from sidecar.host.upload.verified_copy import CHUNK_SIZE, Sink, size_mismatch
+from sidecar.host.upload.volume_stage import Throttle
 
 __all__ = ["RANGE_ATTEMPTS", "S3Source"]
 
@@ -33,12 +35,16 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 class S3Source:
     """The files of one remote checkpoint; ``keys``: each file's object key (the folder
-    that holds its bytes, ``s3_refs``)."""
+    that holds its bytes, ``s3_refs``). ``max_bandwidth``: bytes per second for all the
+    GETs together (the uploads' cap, ``StorageConfig.max_bandwidth``); None: no cap."""
 
-    def __init__(self, client: Any, bucket: str, keys: Mapping[str, str]) -> None:
+    def __init__(self, client: Any, bucket: str, keys: Mapping[str, str],
+                 max_bandwidth: Optional[int] = None) -> None:
         self.client = client
         self.bucket = bucket
         self.keys = keys
+        self._throttle = Throttle(max_bandwidth)
+        self._throttle_lock = threading.Lock()
 
     def read(self, entry: FileEntry, offset: int, length: int, sink: Sink) -> None:
         done, broken = 0, 0
@@ -51,6 +57,9 @@ class S3Source:
                         raise IncompleteReadError(actual_bytes=done, expected_bytes=length)
                     sink(offset + done, piece)
                     done += len(piece)
+                    if self._throttle.rate:
+                        with self._throttle_lock:  # one budget: the threads take turns
+                            self._throttle(len(piece))
                 return
             except S3_RETRYABLE_DOWNLOAD_ERRORS as exc:
                 broken += 1

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -175,3 +176,15 @@ def test_a_file_that_changes_size_is_refused_with_both_sizes(tmp_path: Path) -> 
     into.mkdir()
     with pytest.raises(Invalid, match="is 5 bytes, the manifest says 5000"):
         copy_verified(FolderSource(info.path), info.files, into)
+
+
+def test_the_bandwidth_cap_holds_for_all_the_ranged_gets_together(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(verified_copy, "RANGE_SIZE", SMALL_RANGE)
+    location = s3.bucket("cap-" + os.urandom(4).hex())
+    commit_to_s3(s3, location, make_checkpoint(tmp_path / "local", 1,
+                                               {"a.bin": 3 * MIB // 2, "b.bin": 3 * MIB // 2}))
+    started = time.monotonic()
+    restore(s3.storage(max_bandwidth=2 * MIB, concurrency=4), location, tmp_path / "fresh")
+    assert time.monotonic() - started >= 3 / 2 * 0.8  # 3 MiB at 2 MiB/s, 4 GETs at once
