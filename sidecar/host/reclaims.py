@@ -210,9 +210,9 @@ class ReclaimLedger:
             # A warning when it cost more than ten minutes: a save that came too late.
             self._log_or_count(
                 logging.WARNING if cost.lost_seconds > 600 else logging.INFO,
-                "%s: the release cost %s of GPU time from step %s (%s redone, %s idle, %d "
+                "%s: the release cost %s of GPU time %s (%s redone, %s idle, %d "
                 "saves; posted by %s)", cost.job, short_duration(cost.lost_seconds),
-                cost.resumed_step, short_duration(cost.redone_seconds),
+                _from_step(cost.resumed_step), short_duration(cost.redone_seconds),
                 short_duration(cost.idle_seconds), cost.saves, posted_by)
         if self._on_change is not None:
             self._on_change()
@@ -437,6 +437,11 @@ class ReclaimLedger:
             "on the next machine, every account closed")
         resume_counter.add_metric([], resume_total)
         return [*counters, resume_counter, histogram, resume, effective, refused_metric]
+
+
+def _from_step(step: Optional[int]) -> str:
+    """Where the job resumed, in words: a checkpoint may name no step."""
+    return "from a checkpoint that names no step" if step is None else f"from step {step}"
 
 
 def _key(cost: ReleaseCost) -> tuple[Optional[str], float]:

@@ -37,7 +37,8 @@ def close_release_account(folder: Path, released_at: str, urls: Sequence[str],
         print(f"esi-sidecar restore: cannot account for the release: {exc}", file=sys.stderr)
         return
     lost = lost_seconds(released, state)
-    print(f"the release cost {lost:.1f} s of GPU time: from the state of step {step} "
+    of_step = "of a checkpoint that names no step" if step is None else f"of step {step}"
+    print(f"the release cost {lost:.1f} s of GPU time: from the state {of_step} "
           f"({format_rfc3339(state)}) to the release ({format_rfc3339(released)})",
           flush=True)
     account: dict[str, object] = {"released_unix": released, "state_unix": state,

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 from sidecar.train.client import SidecarClient
 from sidecar.train.policy import check_seconds
+from sidecar.train.rank_log import RankPrefix
 
 __all__ = [
     "DEFAULT_REFRESH_SECONDS",
@@ -33,6 +34,7 @@ DEFAULT_REFRESH_SECONDS = 1.0
 DEFAULT_RETRY_SECONDS = 5.0
 
 logger = logging.getLogger("sidecar.train.deadline")
+logger.addFilter(RankPrefix())  # the guard's lines: each says its rank (rank_log.py)
 
 # Set by the platform when the container starts: Volcengine ML platform, then SageMaker
 # capacity blocks. Seconds or milliseconds (AWS documents both), or RFC 3339.
@@ -219,7 +221,9 @@ class DeadlineTracker:
         self._drill = None if answer is None else answer.drill
         if answer is None:
             self._reachable = self._current = False
-            if not self._warned_unreachable:
+            # Warned only after a request failed: a client that asked no daemon yet (Ray
+            # before its nodes are known) answers None without an error.
+            if error is not None and not self._warned_unreachable:
                 self._warned_unreachable = True
                 deadline, source = self._choose()
                 fallback = (

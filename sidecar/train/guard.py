@@ -45,6 +45,7 @@ from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents, save_kind
 from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
 from sidecar.train.protection import JobFigures
+from sidecar.train.rank_log import RankPrefix
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.routine import RoutinePlan, RoutineSaves
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
@@ -80,6 +81,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("sidecar.train.guard")
+# One logger for the guard and its collaborators: each line says its rank (rank_log.py).
+logger.addFilter(RankPrefix())
 
 T = TypeVar("T")
 

@@ -61,8 +61,12 @@ class ReleaseWait:
         asking = decision.remaining_seconds is not None and (
             not self._collective or decision.remaining_seconds > quiet_seconds
         )
-        logger.info("final checkpoint saved; waiting for the release%s (training resumes "
-                    "if it moves later)", _in(decision.remaining_seconds))
+        remaining = decision.remaining_seconds
+        if remaining is not None and remaining <= 0:
+            logger.info("final checkpoint saved; the release passed %.0f s ago", -remaining)
+        else:
+            logger.info("final checkpoint saved; waiting for the release%s (training "
+                        "resumes if it moves later)", _in(remaining))
         self._events.send("waiting", reason=decision.reason,
                           remaining_seconds=decision.remaining_seconds)
         while True:
