@@ -13,6 +13,7 @@ import ipaddress
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta, timezone, tzinfo
@@ -545,15 +546,29 @@ def load_settings(
     return settings
 
 
-def _check_static_zone(settings: Settings, origin: str, raw: str) -> None:
+def _check_static_zone(settings: Settings, origin: str, raw: str,
+                       now: Optional[float] = None) -> None:
     """The static deadline is the operator's own: without an offset it is refused, not
-    guessed, unless --timezone names the zone (issue 13)."""
+    guessed, unless --timezone names the zone (issue 13); one already past is refused too
+    (issue 39: it only warned, then served a release that had come)."""
     if settings.naive_timezone is None and parse_timestamp(raw).assumed_timezone is not None:
         raise ConfigError(
             f"invalid {origin} value {raw!r}: it has no UTC offset; add one "
             "(2030-01-01T08:00:00+08:00, or Z for UTC) or set --timezone "
             f"({ENV_PREFIX}TIMEZONE)"
         )
+    zone = settings.naive_timezone or timezone.utc
+    ago = (time.time() if now is None else now) - parse_timestamp(raw, naive_timezone=zone).unix
+    if ago >= 0:
+        raise ConfigError(f"invalid {origin} value {raw!r}: it passed {_ago(ago)} ago; give "
+                          "the deadline to come")
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:

@@ -246,3 +246,20 @@ def test_serve_help_lists_the_settings_by_topic() -> None:
     assert headings["options"] == ["help"]  # nothing left ungrouped
     shown = serve.format_help()
     assert shown.splitlines()[0] == "usage: esi-sidecar serve [-h] [--SETTING VALUE ...]"
+
+
+@pytest.mark.parametrize("given", ["2020-01-01T00:00:00Z", "now"])
+def test_a_static_deadline_already_past_stops_start_up_naming_the_setting(given: str) -> None:
+    """Issue 39: ``serve --source static --expires-at <past>`` only warned, then served a
+    release that had come."""
+    import time
+
+    raw = str(int(time.time()) - 1) if given == "now" else given
+    with pytest.raises(ConfigError) as info:
+        load_settings({"source": ["static"], "expires_at": raw}, {})
+    assert str(info.value).startswith(f"invalid --expires-at value {raw!r}: it passed ")
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="ESI_SIDECAR_EXPIRES_AT"):
+        load_settings({}, {"ESI_SIDECAR_SOURCE": "static", "ESI_SIDECAR_EXPIRES_AT": raw})
+    future = load_settings({"source": ["static"], "expires_at": str(int(time.time()) + 60)}, {})
+    assert future.expires_at is not None

@@ -83,23 +83,27 @@ def test_elsewhere_plain_lines_with_a_timestamp(tmp_path: Path) -> None:
 
 
 def _serve(tmp_path: Path, journal_stream: str) -> str:
-    """``esi-sidecar serve`` with a deadline long past (a warning), stopped by SIGTERM (an
-    info line: state flushed); its stderr as written."""
+    """``esi-sidecar serve`` with a source whose metadata service refuses (a warning; a
+    static deadline long past is refused at start now), stopped by SIGTERM (an info line:
+    state flushed); its stderr as written."""
     log_file = tmp_path / "serve.stderr"
     log_file.touch()
     stream = journal_stream or _journal_stream(log_file)
-    with socket.socket() as sock:
+    with socket.socket() as sock, socket.socket() as closed:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections refused
+        dead = closed.getsockname()[1]
     with open(log_file, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.cli", "serve", "--source", "static",
-             "--expires-at", "2020-01-01T00:00:00Z", "--listen", f"127.0.0.1:{port}",
+            [sys.executable, "-m", "sidecar.cli", "serve", "--source", "static,volcengine-spot",
+             "--expires-at", "2030-01-01T00:00:00Z", "--metadata-url", f"http://127.0.0.1:{dead}",
+             "--listen", f"127.0.0.1:{port}",
              "--state-file", str(tmp_path / "state.json")],
             env={**os.environ, "JOURNAL_STREAM": stream}, stdout=stderr, stderr=stderr)
         try:
             wait_for(lambda: fetch_json(f"http://127.0.0.1:{port}/v1/expiry"), timeout=30)
-            wait_for(lambda: "passed" in log_file.read_text(), timeout=30)
+            wait_for(lambda: "source volcengine-spot:" in log_file.read_text(), timeout=30)
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=20)
         finally:
@@ -113,7 +117,7 @@ def test_serve_logs_for_the_journal_when_stderr_is_the_journal(tmp_path: Path) -
     text = _serve(tmp_path, journal_stream="")
     lines = [line for line in text.splitlines() if line]
     assert all(re.match(r"<[2-7]>", line) for line in lines), lines
-    assert any(line.startswith("<4>WARNING sidecar.host.poller: source static:")
+    assert any(line.startswith("<4>WARNING sidecar.host.poller: source volcengine-spot:")
                for line in lines), lines
     assert any(line.startswith("<6>") and "state flushed" in line for line in lines), lines
     assert not TIMESTAMP.search(text)
@@ -122,6 +126,6 @@ def test_serve_logs_for_the_journal_when_stderr_is_the_journal(tmp_path: Path) -
 def test_serve_logs_plain_lines_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     text = _serve(tmp_path, journal_stream="1:1")
     lines = [line for line in text.splitlines() if line]
-    assert any(TIMESTAMP.match(line) and " WARNING sidecar.host.poller: source static:" in line
-               for line in lines), lines
+    warning = " WARNING sidecar.host.poller: source volcengine-spot:"
+    assert any(TIMESTAMP.match(line) and warning in line for line in lines), lines
     assert not any(re.match(r"<\d>", line) for line in lines), lines
