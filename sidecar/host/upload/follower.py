@@ -96,6 +96,7 @@ class Follower:
         self._thread: Optional[threading.Thread] = None
         self._root_fd: Optional[int] = None
         self._baseline: dict[str, int] = {}  # entries at the start: name -> inode
+        self._watching = False  # the folder is open and its entries at the start noted
         self._made: dict[str, int] = {}  # entries the follower made: name -> inode
         self._copy: Optional[_Copy] = None
         self._latest: Optional[int] = None  # inode of the latest pointer it made
@@ -122,7 +123,7 @@ class Follower:
 
     def status(self) -> dict[str, Any]:
         """A query: what was brought, and why it stopped (None while following)."""
-        return {"following": self.alive() and self.stopped_because is None,
+        return {"following": self.alive() and self._watching and self.stopped_because is None,
                 "stopped_because": self.stopped_because,
                 "brought": [b.to_json() for b in self.brought]}
 
@@ -153,6 +154,7 @@ class Follower:
         if clean_own(handle):
             log.info("removed what a killed follower left in %s", self.root)
         self._baseline = {entry.name: entry.inode() for entry in os.scandir(handle)}
+        self._watching = True
         log.info("bringing the newest durable checkpoint from %s into %s before the job "
                  "starts (off: --prefetch false)", self.source.url, self.root)
         return True
