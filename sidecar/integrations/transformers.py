@@ -34,6 +34,8 @@ Resuming: the Trainer writes ``checkpoint-<step>`` in place, not atomically, and
 job killed mid-save would resume from a half-written folder. :func:`latest_complete_checkpoint`
 returns the newest folder whose ``trainer_state.json`` (the file ``_save_checkpoint`` writes
 last, after model, optimizer, scheduler and RNG state) exists, parses and names that step.
+The Trainer's "missing keys" warning after a resume leaves out keys tied to a loaded one
+(GPT-2's ``lm_head.weight``), and is said only when a key is truly missing.
 
 This module imports transformers (the class derives from ``TrainerCallback``, so that
 IDEs and type checkers see it); ``import sidecar`` and ``import sidecar.integrations`` do not.
@@ -41,10 +43,12 @@ IDEs and type checkers see it); ``import sidecar`` and ``import sidecar.integrat
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -95,6 +99,48 @@ def latest_complete_checkpoint(output_dir: Any) -> Optional[str]:
     return None
 
 
+# The Trainer's warning after a resume (transformers' trainer.py, _issue_warnings_after_load).
+_MISSING_KEYS = "There were missing keys in the checkpoint model loaded: "
+
+
+def _tied_to_loaded(model: Any, missing: list[str]) -> set[str]:
+    """The keys of ``missing`` whose tensor is also another key's that was loaded (GPT-2's
+    ``lm_head.weight`` is ``transformer.wte.weight``): loaded with it, not missing."""
+    by_pointer: dict[int, set[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        pointer = tensor.data_ptr()
+        if pointer:  # 0: no storage (a meta tensor)
+            by_pointer.setdefault(pointer, set()).add(name)
+    return {name for names in by_pointer.values() if names - set(missing)
+            for name in names & set(missing)}
+
+
+class _TiedKeysFilter(logging.Filter):
+    """On transformers' Trainer logger: a resume's "missing keys" warning leaves out the
+    keys tied to a loaded one, and is dropped when no other key is missing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: Callable[[], Any] = lambda: None  # a weak reference to the model
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message, model = record.getMessage(), self.model()
+        if model is None or not message.startswith(_MISSING_KEYS):
+            return True
+        try:
+            keys = ast.literal_eval(message[len(_MISSING_KEYS):].rstrip("."))
+            missing = [key for key in keys if isinstance(key, str)]
+            tied = _tied_to_loaded(model, missing)
+        except Exception:  # another message than the one we know: leave it as it is
+            return True
+        missing = [key for key in missing if key not in tied]
+        record.msg, record.args = f"{_MISSING_KEYS}{missing}.", ()
+        return bool(missing)
+
+
+_TIED_KEYS = _TiedKeysFilter()
+
+
 class EsiCheckpointCallback(TrainerCallback):
     """``TrainerCallback`` that saves once before the release and then stops.
 
@@ -134,6 +180,14 @@ class EsiCheckpointCallback(TrainerCallback):
             # then (TrainingArguments sets it up), so the reducer is chosen correctly.
             self.guard = callback_guard(None, self.policy, self._guard_options)
         return self.guard
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        # Before train() loads a checkpoint: its warning says only truly missing keys.
+        model = kwargs.get("model")
+        if model is not None and hasattr(model, "state_dict"):
+            _TIED_KEYS.model = weakref.ref(model)
+            logging.getLogger("transformers.trainer").addFilter(_TIED_KEYS)
+        return control
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         # A guard passed in is checked here (a warning when it cannot agree across ranks).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -348,3 +349,52 @@ def test_a_fire_drill_saves_through_the_trainers_own_save_and_training_goes_on(
                        .read_text())
     assert state["global_step"] == step
     assert trainer.state.global_step == script.end_step > step  # trained on past the drill
+
+
+class Lines(logging.Handler):
+    """What one logger says (transformers' loggers do not reach the root, so not caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_resume_says_nothing_of_tied_keys_and_warns_of_truly_missing_ones(
+    tmp_path: Path, daemon_url: tuple[str, float]
+) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from sidecar.integrations.transformers import EsiCheckpointCallback
+
+    url, _base_unix = daemon_url
+
+    def trainer(steps: int) -> Any:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(  # lm_head.weight is tied to transformer.wte.weight
+            GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], save_strategy="steps",
+            save_steps=2, logging_strategy="no", disable_tqdm=True, max_steps=steps,
+            per_device_train_batch_size=2)
+        callback = EsiCheckpointCallback(client=SidecarClient(url), wait_for_release=False)
+        return Trainer(model=model, args=args, train_dataset=TinyDataset(), callbacks=[callback])
+
+    trainer(2).train()
+    said = Lines()
+    warnings = logging.getLogger("transformers.trainer")
+    warnings.addHandler(said)
+    try:
+        resumed = trainer(3)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+        assert resumed.state.global_step == 3
+        assert not any("missing keys" in line for line in said.lines), said.lines
+        # A key truly missing is still said, without the tied one beside it.
+        warnings.warning("There were missing keys in the checkpoint model loaded: "
+                         "['lm_head.weight', 'transformer.ln_f.bias'].")
+    finally:
+        warnings.removeHandler(said)
+    assert said.lines == ["There were missing keys in the checkpoint model loaded: "
+                          "['transformer.ln_f.bias']."], said.lines
