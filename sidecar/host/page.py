@@ -31,7 +31,7 @@ REFRESH_SECONDS = 5
 
 _STYLE = """
 body{font:15px/1.45 system-ui,sans-serif;margin:0;background:#f6f7f9;color:#1b1f24}
-main{max-width:60rem;margin:0 auto;padding:.8rem 1rem}
+main{max-width:60rem;margin:0 auto;padding:.8rem 1rem;overflow-wrap:anywhere}
 h1{font-size:1.1rem;margin:.2rem 0}h2{font-size:1rem;margin:1.2rem 0 .3rem}
 .light{display:inline-block;padding:.1rem .6rem;border-radius:1rem;color:#fff;font-weight:600}
 .ok{background:#1f883d}.starting{background:#9a6700}.degraded{background:#cf222e}

@@ -201,3 +201,33 @@ def test_the_page_says_when_uploads_fail_and_when_nothing_is_known() -> None:
         moves=[], events=None, uploads=None, now=now, host="gpu-1")
     assert "<script>alert(1)" not in hostile and "&lt;script&gt;" in hostile
     assert "<img src=x" not in hostile and "<b>x</b>" not in hostile
+
+
+def test_the_page_fits_a_phone_390_px_wide(tmp_path: Path) -> None:
+    """Issue 39: the page scrolled sideways at 390 px (a long error, a URL, the protection
+    table). Headless Chromium keeps its window at least 500 px wide, so the page is laid out
+    in a 390 px frame (``srcdoc``: the same origin as its parent, which reads the width)."""
+    import html
+
+    long_path = "/a-metadata-path-with-no-place-to-break-it-0123456789-abcdefghij"
+    with serve_daemon(sources=("static", "volcengine-spot"), expires_at=str(time.time() + 1800),
+                      metadata_url="http://127.0.0.1:9" + long_path) as daemon:
+        wait_for(lambda: "error" in get_json(daemon.url + "/healthz")[1]["sources"]
+                 .get("volcengine-spot", {}), timeout=30)
+        final_save(daemon.url)
+        with urllib.request.urlopen(daemon.url + "/", timeout=5) as response:
+            page = response.read().decode()
+    assert long_path in page  # the long line is on the page
+    frame = tmp_path / "phone.html"
+    frame.write_text(
+        '<!doctype html><html><body style="margin:0"><iframe id="phone" '
+        'style="width:390px;height:844px;border:0" srcdoc="' + html.escape(page, quote=True)
+        + '"></iframe><script>document.getElementById("phone").addEventListener("load",'
+        "function(){var root=this.contentDocument.documentElement;document.body.setAttribute("
+        '"data-widths",root.scrollWidth+" "+root.clientWidth);});</script></body></html>')
+    dom = browse(frame.as_uri(), "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = re.search(r'data-widths="(\d+) (\d+)"', dom.stdout)
+    assert found is not None, dom.stdout[-2000:]
+    scroll_width, client_width = int(found.group(1)), int(found.group(2))
+    assert client_width <= 390 and scroll_width <= client_width, (scroll_width, client_width)
