@@ -53,12 +53,14 @@ from sidecar.train.client import DEFAULT_TIMEOUT_SECONDS, SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
 from sidecar.train.policy import DEFAULT_SAVE_SECONDS, check_seconds, verl_rule
 from sidecar.train.protection import JobFigures
+from sidecar.train.release_wait import EXIT_RELEASED
 from sidecar.train.routine import AUTO, RoutineSaves, check_routine
 
 __all__ = [
     "VERL_FUNCTION",
     "VERL_MODULE",
     "configure",
+    "exit_if_released",
     "install",
     "should_save_ckpt_esi",
     "uninstall",
@@ -335,6 +337,17 @@ def _verl_version() -> Optional[tuple[int, ...]]:
 def _verl_version_text() -> str:
     version = _verl_version()
     return "(not installed)" if version is None else ".".join(map(str, version))
+
+
+def exit_if_released(trainer: Any) -> None:
+    """After ``trainer.fit()`` in a script that drives verl's V1 trainer in its own
+    process: ``raise SystemExit(EXIT_RELEASED)`` (75) when the guard ended ``fit`` for the
+    release (``trainer.esi_sidecar_released``), so that a launcher resumes the job on the
+    next machine; returns when training ended on its own."""
+    if getattr(trainer, "esi_sidecar_released", False) is True:
+        logger.info("leaving with exit status %d: verl stopped for the release",
+                    EXIT_RELEASED)
+        raise SystemExit(EXIT_RELEASED)
 
 
 def install() -> bool:
