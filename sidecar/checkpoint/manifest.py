@@ -15,6 +15,7 @@ import errno
 import hashlib
 import json
 import os
+import reprlib
 import stat
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,6 +41,12 @@ PIN_MARKERS = (UPLOADING_MARKER, KEEP_MARKER)
 _NOT_LISTED = frozenset((MANIFEST_NAME, *PIN_MARKERS))
 
 _READ_CHUNK = 8 << 20
+# The largest manifest read: about 300,000 files with their sha256 (some 200 bytes each),
+# far beyond a real save; a bigger one is a job's attack on the root daemon's memory.
+MAX_MANIFEST_BYTES = 64 << 20
+# How a job's value is shown in a reason: short and shallow whatever it holds.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 80, 80
 
 
 class CheckpointError(Exception):
@@ -158,21 +165,23 @@ def render_manifest(
 
 def _safe_relative(text: Any) -> str:
     if not isinstance(text, str) or not text:
-        raise Invalid(f"manifest lists a file without a path: {text!r}")
+        raise Invalid(f"manifest lists a file without a path: {_SHOWN.repr(text)}")
     pure = PurePosixPath(text)
     if pure.is_absolute() or any(part in ("", ".", "..") for part in text.split("/")):
-        raise Invalid(f"manifest lists an unsafe path: {text!r}")
+        raise Invalid(f"manifest lists an unsafe path: {_SHOWN.repr(text)}")
     return text
 
 
 def _integer(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise Invalid(f"manifest {what} is not a non-negative integer: {value!r}")
+        raise Invalid(f"manifest {what} is not a non-negative integer: {_SHOWN.repr(value)}")
     return value
 
 
 def read_manifest(folder: Path) -> CheckpointInfo:
-    """Parse ``folder/MANIFEST.json`` without looking at the files. Raises :class:`Invalid`."""
+    """Parse ``folder/MANIFEST.json`` without looking at the files. Raises :class:`Invalid`,
+    and nothing else, whatever the file holds (the job writes it: issue 35): too large
+    (:data:`MAX_MANIFEST_BYTES`), nested too deeply, not a manifest."""
     try:
         raw = read_listed(folder, MANIFEST_NAME)
     except FileNotFoundError:
@@ -181,6 +190,17 @@ def read_manifest(folder: Path) -> CheckpointInfo:
         ) from None
     except OSError as exc:
         raise Invalid(f"{MANIFEST_NAME} unreadable: {exc}") from None
+    try:
+        return _parse(folder, raw)
+    except Invalid:
+        raise
+    except RecursionError:  # json.loads on "[[[[...": nested deeper than Python recurses
+        raise Invalid(f"{MANIFEST_NAME} nests too deeply to be a manifest") from None
+    except Exception as exc:  # whatever a job's bytes make of the parser: not a checkpoint
+        raise Invalid(f"{MANIFEST_NAME} could not be parsed ({type(exc).__name__})") from None
+
+
+def _parse(folder: Path, raw: bytes) -> CheckpointInfo:
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -200,10 +220,10 @@ def read_manifest(folder: Path) -> CheckpointInfo:
     entries = []
     for item in files:
         if not isinstance(item, dict):
-            raise Invalid(f"manifest file entry is not an object: {item!r}")
+            raise Invalid(f"manifest file entry is not an object: {_SHOWN.repr(item)}")
         digest = item.get("sha256")
         if digest is not None and not isinstance(digest, str):
-            raise Invalid(f"manifest sha256 is not a string: {digest!r}")
+            raise Invalid(f"manifest sha256 is not a string: {_SHOWN.repr(digest)}")
         entries.append(
             FileEntry(_safe_relative(item.get("path")), _integer(item.get("size"), "size"), digest)
         )
@@ -274,9 +294,10 @@ def open_under(directory: int, relative: str) -> int:
     return current
 
 
-def read_listed(folder: Path, relative: str) -> bytes:
+def read_listed(folder: Path, relative: str, most: int = MAX_MANIFEST_BYTES) -> bytes:
     """The bytes of ``folder/relative`` read through :func:`open_listed` (no link
-    followed). A missing file raises ``FileNotFoundError``."""
+    followed). A missing file raises ``FileNotFoundError``; one of more than ``most``
+    bytes :class:`Invalid`, unread (:func:`read_at_most`)."""
     try:
         handle = open_listed(folder, relative)
     except Invalid:
@@ -284,8 +305,21 @@ def read_listed(folder: Path, relative: str) -> bytes:
             raise FileNotFoundError(
                 errno.ENOENT, "no such file", str(Path(folder) / relative)) from None
         raise
+    return read_at_most(handle, most, relative)
+
+
+def read_at_most(handle: int, most: int, shown: str) -> bytes:
+    """Read the open file ``handle`` (closed after) when it holds at most ``most`` bytes;
+    else :class:`Invalid`. Its size is asked of the descriptor before a byte is read (a
+    sparse file costs no disk and would cost its whole size in memory), and no more than
+    ``most`` bytes are read should it grow meanwhile."""
     with open(handle, "rb") as reader:
-        return reader.read()
+        size = os.fstat(handle).st_size
+        data = b"" if size > most else reader.read(most + 1)
+    if size > most or len(data) > most:
+        raise Invalid(f"{shown} is {max(size, len(data))} bytes, more than the {most} "
+                      "read of it")
+    return data
 
 
 def _is_link(name: str, directory: int) -> bool:

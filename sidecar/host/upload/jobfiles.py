@@ -36,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sidecar.checkpoint.manifest import UPLOADING_MARKER, Invalid, open_under
+from sidecar.checkpoint.manifest import (
+    MAX_MANIFEST_BYTES,
+    UPLOADING_MARKER,
+    Invalid,
+    open_under,
+    read_at_most,
+)
 from sidecar.host.logs import printable
 
 __all__ = ["Pin", "Refused", "clear_stale_pin", "open_job_file", "pin", "read_job_file",
@@ -193,10 +199,14 @@ def open_job_file(folder: Path, relative: str) -> int:
     return handle
 
 
-def read_job_file(folder: Path, relative: str) -> bytes:
-    """The bytes of a job's file read through :func:`open_job_file`."""
-    with open(open_job_file(folder, relative), "rb") as reader:
-        return reader.read()
+def read_job_file(folder: Path, relative: str, most: int = MAX_MANIFEST_BYTES) -> bytes:
+    """The bytes of a job's file read through :func:`open_job_file` (a manifest): one of
+    more than ``most`` bytes is refused unread."""
+    handle = open_job_file(folder, relative)
+    try:
+        return read_at_most(handle, most, printable(f"{Path(folder).name}/{relative}"))
+    except Invalid as exc:
+        raise Refused(str(exc)) from None
 
 
 def _check(found: os.stat_result, owner: int, shown: str) -> None:
