@@ -30,11 +30,12 @@ class DecisionNotes:
                 now_unix: float) -> None:
         if decision.save_now:
             self._logger.log(logging.WARNING if decision.best_effort else logging.INFO,
-                             "%s now: %s", "top-up checkpoint" if decision.top_up
-                             else "checkpoint", decision.reason)
+                             "%s now: %s (row %s)", "top-up checkpoint" if decision.top_up
+                             else "checkpoint", decision.reason, _row(decision))
         elif decision.too_late and self._said_too_late != deadline:
             self._said_too_late = deadline  # once per deadline
-            self._logger.warning("no checkpoint for this release: %s", decision.reason)
+            self._logger.warning("no checkpoint for this release: %s (row %s)",
+                                 decision.reason, _row(decision))
             self._events.send("too-late", reason=decision.reason,
                               remaining_seconds=decision.remaining_seconds)
         self._events.step_estimate(decision)
@@ -43,3 +44,8 @@ class DecisionNotes:
                 "SIGTERM", sigterm.grace_seconds, JobFigures(
                     decision.step_seconds, decision.save_seconds, upload_seconds),
                 self.last_saved, now_unix))
+
+
+def _row(decision: PolicyDecision) -> str:
+    """The table's row that decided (docs/save-rule.md), as the log lines name it."""
+    return "-" if decision.why is None else decision.why.value

@@ -119,7 +119,7 @@ class DrillFollower:
             drill <= remaining + SAME_DEADLINE_SECONDS)
         if not self.drilling or self._id is None or self._id in self._done:
             return
-        if decision.save_now and not decision.top_up:
+        if decision.save_now and not (decision.top_up or decision.routine):
             self._budget = decision.budget_seconds
         if decision.too_late:
             self._finish("too-late", reason=decision.reason, budget=decision.budget_seconds,

@@ -1,6 +1,8 @@
 """The fallback save: one save before the final one, when the final one rests on a long upload.
 
-Standard library only, no clock, no I/O (``SavePolicy(fallback_saves=True)``, the default).
+The ``FALLBACK`` row of ``sidecar.train.rule`` (``SavePolicy(fallback_saves=True)``, the
+default), explained; pure.
+
 The final save is durable only once its upload ends, and the upload is the part of the
 budget the job measures least well: the link is shared, and a probe or the last upload
 only says how fast it was. A link that slows after the final save began (another tenant's
@@ -44,8 +46,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sidecar.train.protection import short_duration
-from sidecar.train.routine import FLOOR_SAVES
+from sidecar.train.estimates import FLOOR_SAVES
+from sidecar.train.rule import Situation, Why, fallback_due, render
 
 __all__ = ["AT_RISK_SAVES", "fallback_reason"]
 
@@ -64,20 +66,17 @@ def fallback_reason(
     margin_seconds: float,
     at_risk_seconds: float,
 ) -> Optional[str]:
-    """Why a fallback save is due now, or None when none is (module docstring).
+    """Why a fallback save is due now, or None when none is: the rule's ``FALLBACK`` row
+    (``sidecar.train.rule``) on these numbers alone.
 
     ``budget_seconds``: the final save's budget; ``save_seconds`` and ``upload_seconds``:
     the estimates in it (``upload_seconds`` None or 0: the local save is durable, no
     fallback); ``at_risk_seconds``: training since the last save."""
-    upload = upload_seconds or 0.0
-    if upload <= margin_seconds:
+    situation = Situation(remaining_seconds, step_seconds, step_seconds, save_seconds,
+                          upload_seconds, margin_seconds, at_risk_seconds=at_risk_seconds)
+    if not fallback_due(situation, remaining_seconds, budget_seconds, step_seconds):
         return None
-    lead = step_seconds + save_seconds + upload
-    if at_risk_seconds < max(AT_RISK_SAVES * save_seconds, lead):
-        return None
-    if not budget_seconds + upload < remaining_seconds <= budget_seconds + lead:
-        return None
-    return (f"remaining {remaining_seconds:.1f} s <= {budget_seconds + lead:.1f} s: fallback "
-            f"save now, durable before the final save starts (its {upload:.0f} s upload is "
-            f"longer than the {margin_seconds:.0f} s margin; "
-            f"{short_duration(at_risk_seconds)} trained since the last save)")
+    lead = step_seconds + save_seconds + (upload_seconds or 0.0)
+    return render(Why.FALLBACK, {"remaining": remaining_seconds, "budget": budget_seconds,
+                                 "lead": lead, "upload": upload_seconds or 0.0,
+                                 "margin": margin_seconds, "at_risk": at_risk_seconds})

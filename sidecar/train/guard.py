@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 from sidecar.train.client import SidecarClient
@@ -48,6 +48,7 @@ from sidecar.train.protection import JobFigures
 from sidecar.train.rank_log import RankPrefix
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.routine import RoutinePlan, RoutineSaves
+from sidecar.train.rule import PROCESS_SOURCES, DeadlineKind, deadline_kind
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
 from sidecar.train.step_time import LoopTimer
@@ -69,6 +70,7 @@ from sidecar.train.vote import (
 __all__ = [
     "EXIT_RELEASED",
     "MAX_SKIP_SECONDS",
+    "PROCESS_SOURCES",
     "UNKNOWN_AFTER_FINAL",
     "UNKNOWN_COVERED",
     "UNKNOWN_REMAINING",
@@ -88,10 +90,8 @@ T = TypeVar("T")
 
 STATE_VERSION = 1  # of state_dict()
 
-# The daemon's sources whose deadline ends the process, not the machine (a Slurm time
-# limit; a deadline the host's environment gives): try_late_saves="auto" starts no late
-# save for them, as for the guard's own SIGTERM, Slurm and environment deadlines.
-PROCESS_SOURCES = frozenset({"slurm", "env"})
+# PROCESS_SOURCES (the daemon's sources whose deadline ends the process, not the machine)
+# moved to sidecar.train.rule with the rule's other inputs; the name stays importable here.
 
 
 @dataclass(frozen=True)
@@ -152,17 +152,6 @@ class GuardStatus:
             routine_seconds=None if routine is None else routine.interval_seconds,
             routine_note=None if routine is None else routine.line,
         )
-
-
-def with_routine(decision: PolicyDecision, overdue: Optional[float]) -> PolicyDecision:
-    """``decision``, asking a routine save when one is due (``overdue`` >= 0) and the rule
-    itself neither saves, stops, trains towards a top-up nor met a release too close."""
-    if overdue is None or overdue < 0 or decision.save_now or decision.stop or (
-            decision.top_up or decision.too_late):
-        return decision
-    return replace(decision, save_now=True, routine=True, reason=f"{decision.reason}; "
-                   "routine save: no notice holds a save (SavePolicy.routine_seconds)")
-
 
 
 class CheckpointGuard:
@@ -391,6 +380,7 @@ class CheckpointGuard:
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix,
             budget_seconds=budget, fallback=asked is not None and asked.fallback,
+            margin_seconds=None if asked is None else asked.margin_seconds,
         )
         self._notes.saved(step, started_unix)
         self._loop.pause(seconds)  # a save is not a step
@@ -497,7 +487,8 @@ class CheckpointGuard:
         decision = verdict[0]
         starting = decision.stop and not self._stopping
         if starting:
-            logger.info("stop training: %s", decision.reason)
+            logger.info("stop training: %s (row %s)", decision.reason,
+                        decision.why.value if decision.why else "-")
         self._stopping = decision.stop
         self._durability.follow()
         if not decision.stop or not self.wait_for_release:
@@ -569,13 +560,14 @@ class CheckpointGuard:
             steps_after_final=UNKNOWN_AFTER_FINAL if after_final is None else after_final,
             typical_step_seconds=vote.typical_step_seconds,
             # Ranks measure apart: across ranks, the fixed margin ("auto" is per process).
-            margin_seconds=policy.margin_for(None, 0.0, None) if collective else None,
+            collective=collective,
             # Unknown (a reducer of seven floats): no fallback save, on every rank alike.
             at_risk_seconds=vote.at_risk_seconds or 0.0,
             machine_deadline=vote.process_deadline == 0.0,  # every rank's is the machine's
+            sigterm=self._sigterm_deadline() is not None,
+            routine_overdue_seconds=vote.routine_overdue_seconds,
         )
         self._drill.decided(vote, decision, agreed=reduce)
-        decision = with_routine(decision, vote.routine_overdue_seconds)
         if reduce and decision.rearmed:  # a renewal: the old cover holds no new work
             policy.forget_cover()
         remaining = vote.remaining_seconds
@@ -599,7 +591,7 @@ class CheckpointGuard:
                                       ask=True)
         deadline, drill = self._drill.earlier(deadline, now_unix)  # rehearses the real one
         deadline, source = with_sigterm(self.sigterm, deadline, source)
-        machine = source == "daemon" and self._tracker.daemon_source not in PROCESS_SOURCES
+        machine = deadline_kind(source, self._tracker.daemon_source) is DeadlineKind.MACHINE
         policy = self.policy
         return Vote(
             remaining_seconds=None if deadline is None else deadline - now_unix,
@@ -607,7 +599,8 @@ class CheckpointGuard:
             save_seconds=policy.measured_save_estimate(),
             covered_seconds=policy.covered_seconds(now_unix),
             upload_seconds=self._upload.seconds(),
-            # After a SIGTERM, as if topped up: one save and leave.
+            # After a SIGTERM the vote carries "no top-up" (-1) to every rank (MIN); this
+            # rank's own decision reads the SIGTERM itself (rule row SIGTERM_SAVED).
             steps_after_final=policy.steps_after_final() if self._sigterm_deadline() is None
             else -1.0,
             typical_step_seconds=policy.typical_step_estimate(),

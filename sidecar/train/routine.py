@@ -42,6 +42,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Union
 
+from sidecar.train.estimates import (
+    DEFAULT_RECLAIM_EVERY_SECONDS,
+    FALLBACK_RECLAIM_EVERY_SECONDS,
+    FLOOR_SAVES,
+    FLOOR_SECONDS,
+    measured_reclaim_every,
+    reclaim_every,
+    routine_floor_seconds,
+    young_daly_seconds,
+)
 from sidecar.train.protection import DurableCheckpoint, JobFigures, Verdict, judge, short_duration
 
 __all__ = [
@@ -62,30 +72,6 @@ __all__ = [
 ]
 
 AUTO = "auto"
-HOUR = 3600.0
-
-# The floor on the automatic interval (see the module's docstring): at least this many
-# saves' worth of training between two routine saves, and at least this long.
-FLOOR_SAVES = 10.0
-FLOOR_SECONDS = 300.0
-
-# The mean time between reclaims assumed for a source until the daemon measured one: a
-# CHOSEN default, the same for every reclaimable kind. The published figures are fleet
-# averages that say little about one GPU type in one zone (AWS's Spot Instance Advisor
-# gives a monthly "frequency of interruption" band per instance type, ">20 %" the worst;
-# GCP stops a preemptible VM after 24 h at the latest and has quoted 5-15 % preempted per
-# day; Azure publishes no rate), and GPU capacity is the most contended. A short figure
-# errs towards more saves, and the cost of a wrong guess is mild: with r = assumed / true,
-# the expected waste is (sqrt(r) + 1 / sqrt(r)) / 2 times the optimum (1.25 x at r = 4).
-FALLBACK_RECLAIM_EVERY_SECONDS = 6 * HOUR
-DEFAULT_RECLAIM_EVERY_SECONDS: dict[str, float] = {
-    "aws": 6 * HOUR,  # spot interruption (2 min notice)
-    "gcp": 6 * HOUR,  # spot / preemptible (30 s); a preemptible VM lives 24 h at most
-    "azure": 6 * HOUR,  # spot eviction (30 s)
-    "volcengine-spot": 6 * HOUR,  # spot reclaim (5 min)
-    "volcengine-events": 6 * HOUR,  # its shortest event: a spot reclaim
-    "SIGTERM": 6 * HOUR,  # a platform that only sends SIGTERM (Kubernetes, Slurm)
-}
 
 # How each source's reclaim reads in the line the guard says.
 _NAMED = {
@@ -113,38 +99,6 @@ def check_routine(value: object) -> Setting:
         raise ValueError(f"routine_seconds must be 'auto', a number of seconds > 0 or None, "
                          f"got {value!r}")
     return float(value)
-
-
-def young_daly_seconds(save_seconds: float, reclaim_every_seconds: float) -> float:
-    """sqrt(2 x save cost x mean time between reclaims), at least the save itself."""
-    return max(save_seconds, math.sqrt(2.0 * save_seconds * reclaim_every_seconds))
-
-
-def routine_floor_seconds(save_seconds: float) -> float:
-    """The shortest automatic interval: FLOOR_SAVES x the save, at least FLOOR_SECONDS."""
-    return max(FLOOR_SAVES * save_seconds, FLOOR_SECONDS)
-
-
-def reclaim_every(sources: Sequence[str]) -> float:
-    """The default mean time between reclaims of these sources together (rates add)."""
-    if not sources:
-        return FALLBACK_RECLAIM_EVERY_SECONDS
-    rate = sum(1.0 / DEFAULT_RECLAIM_EVERY_SECONDS.get(s, FALLBACK_RECLAIM_EVERY_SECONDS)
-               for s in sources)
-    return 1.0 / rate
-
-
-def measured_reclaim_every(machine_seconds: Sequence[float], prior_seconds: float
-                           ) -> Optional[float]:
-    """The mean time between reclaims from the lives of the machines that were reclaimed
-    (each release's start to its end), with the default as one more life: a gamma prior
-    of one pseudo-reclaim, so one short-lived machine does not halve the interval at
-    once. None without a measured life. The machine running now is left out: that errs
-    short, towards more saves."""
-    lives = [s for s in machine_seconds if math.isfinite(s) and s > 0]
-    if not lives:
-        return None
-    return (prior_seconds + sum(lives)) / (1 + len(lives))
 
 
 @dataclass(frozen=True)
