@@ -145,12 +145,15 @@ def test_a_copy_killed_half_way_is_never_a_checkpoint(tmp_path: Path) -> None:
 def test_bad_destination_urls_stop_start_up() -> None:
     from sidecar.host.settings import ConfigError, load_settings
 
-    for bad in ("file://server/share", "file:///", "ftp://x/y", "/mnt/share"):
+    for bad in ("file://server/share", "file:///", "ftp://x/y", "mnt/share", "/"):
         with pytest.raises(ConfigError, match="--upload-to"):
             load_settings({"upload_to": bad, "upload_from": "/tmp"}, environ={})
     parsed = load_settings({"upload_to": "file:///mnt/share/run-42/", "upload_from": "/tmp"},
                            environ={})
     assert parsed.upload_to == "file:///mnt/share/run-42"
+    # An absolute path is that folder, as restore --from takes it (issue 39).
+    plain = load_settings({"upload_to": "/mnt/share/run-42", "upload_from": "/tmp"}, environ={})
+    assert plain.upload_to == "file:///mnt/share/run-42"
 
 
 def test_restore_takes_a_plain_path_as_the_volumes_folder(tmp_path: Path) -> None:
