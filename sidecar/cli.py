@@ -289,7 +289,7 @@ def _timeout(text: str) -> float:
 # way round, so it says what each flag means to it (the [env ...] part is the table's).
 _RESTORE_HELP = {
     "upload_to": "where to fetch the checkpoint from: s3://BUCKET/PREFIX on S3 or "
-    "Volcengine TOS, or file:///PATH on a mounted network volume; the --upload-to the "
+    "Volcengine TOS, or file:///PATH (or /PATH) on a mounted network volume; the --upload-to the "
     "daemon uploaded to",
     "upload_from": "local checkpoint folder to restore into: the root the training job "
     "resumes from with latest_valid()",
