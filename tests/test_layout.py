@@ -397,3 +397,25 @@ def test_the_import_reader_sees_lazy_imports() -> None:
     # sidecar.cli imports the daemon inside a function: the reader must see it as lazy.
     lazy = [i for i in IMPORTS if i.module == "sidecar.cli" and i.target == "sidecar.host.daemon"]
     assert lazy and not any(i.top_level for i in lazy)
+
+
+# The save rule's table and its estimates: pure (issue 37; docs/architecture.md).
+RULE_MODULES = ("sidecar.train.rule", "sidecar.train.estimates")
+
+
+def test_the_rule_and_its_estimates_import_only_the_stdlib_shared_and_each_other() -> None:
+    assert all(module in MODULES for module in RULE_MODULES)
+    broken = [
+        _where(i) for i in IMPORTS
+        if i.module in RULE_MODULES
+        if not (i.target in RULE_MODULES or i.target in SHARED
+                or (not _project(i.target) and i.target.split(".")[0] in STDLIB))
+    ]
+    assert broken == []
+
+
+def test_the_rule_reads_no_clock() -> None:
+    clocks = {"time", "datetime", "os", "socket", "threading", "subprocess", "random"}
+    found = [_where(i) for i in IMPORTS
+             if i.module in RULE_MODULES and i.target.split(".")[0] in clocks]
+    assert found == []
