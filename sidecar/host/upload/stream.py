@@ -22,7 +22,12 @@ saves, only the ``MAX_SAVES_FOLLOWED`` most recently changed are followed (looke
 watched, sent early), on the uploader's one inotify instance, at most
 ``MAX_FOLDERS_WATCHED`` folders each. The others are ignored until they commit, when the
 uploader sends them as any checkpoint; a save pushed out by newer ones is dropped (its
-staged files discarded) and, if it commits, sent whole.
+staged files discarded) and, if it commits, sent whole. A followed save is walked from a
+directory descriptor, each folder opened below the one above it with ``O_NOFOLLOW``
+(never by path: a link swapped in for the folder is not followed), at most
+``MAX_ENTRIES_PER_SAVE`` entries and ``MAX_DEPTH`` folders deep: a save beyond either is
+no longer followed (and not looked into again while it is there); it goes up whole once
+it commits.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import re
 import stat
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from sidecar.checkpoint.manifest import MANIFEST_NAME, PIN_MARKERS
 from sidecar.host.upload.commit_check import Staging, StatKey, stat_key
@@ -49,8 +56,8 @@ from sidecar.host.upload.inotify import (
 )
 from sidecar.host.upload.watch import FolderWatch
 
-__all__ = ["DEFAULT_SETTLE_SECONDS", "MAX_FOLDERS_WATCHED", "MAX_SAVES_FOLLOWED", "FolderId",
-           "SaveInProgress", "StreamWatcher"]
+__all__ = ["DEFAULT_SETTLE_SECONDS", "MAX_DEPTH", "MAX_ENTRIES_PER_SAVE", "MAX_FOLDERS_WATCHED",
+           "MAX_SAVES_FOLLOWED", "FolderId", "SaveInProgress", "StreamWatcher"]
 
 log = logging.getLogger("sidecar.host.upload.stream")
 
@@ -59,6 +66,17 @@ DEFAULT_SETTLE_SECONDS = 1.0
 # beyond a few, the folders are not saves worth sending early.
 MAX_SAVES_FOLLOWED = 4
 MAX_FOLDERS_WATCHED = 64  # per save: the save's folder and its subfolders; then settle time
+# Files and folders looked at per save and scan: a save writes a file or two per rank it
+# holds; a save beyond this is not worth sending early, and walking it every scan would
+# cost the daemon more than sending it after the commit.
+MAX_ENTRIES_PER_SAVE = 4096
+MAX_DEPTH = 16  # folders below a save's own: a state dict nests a few, never more
+# Saves not followed for their size, remembered (while they are there) so that they are not
+# walked again: a few more than are followed at once.
+_IGNORED_KEPT = 4 * MAX_SAVES_FOLLOWED
+_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NO_FOLLOW_DIRECTORY = _DIRECTORY | getattr(os, "O_NOFOLLOW", 0)
+_FD_PATHS = Path("/proc/self/fd")  # an open folder watched as itself (Linux)
 _SAVE_EVENTS = IN_CLOSE_WRITE | IN_CREATE | IN_ONLYDIR | IN_DONT_FOLLOW
 # atomic_checkpoint's temporary folder: .tmp-<name>.<host>-<pid>-<start>.<token>
 _TEMP = re.compile(r"^\.tmp-(?P<name>.+)\.[0-9a-f]{8}-\d{1,10}-\d{1,20}\.[0-9a-f]{8}$")
@@ -114,6 +132,7 @@ class StreamWatcher:
         self._lock = threading.Lock()
         self.saves: dict[FolderId, SaveInProgress] = {}
         self._folders: dict[FolderId, dict[str, int]] = {}  # watched: relative folder -> wd
+        self._ignored: OrderedDict[FolderId, str] = OrderedDict()  # not followed: why
 
     # ------------------------------------------------------------------ scanning
 
@@ -123,8 +142,10 @@ class StreamWatcher:
         to discard."""
         now = self._monotonic()
         found = self._temporary_folders()
+        for ident in [ident for ident in self._ignored if ident not in found]:
+            del self._ignored[ident]  # gone: a folder made again there is a new save
         newest = set(sorted(found, key=lambda ident: found[ident][2],
-                            reverse=True)[:MAX_SAVES_FOLLOWED])
+                            reverse=True)[:MAX_SAVES_FOLLOWED]) - set(self._ignored)
         dropped = []
         for ident, save in list(self.saves.items()):
             if save.committed:  # the uploader takes it next, unless it went again
@@ -144,7 +165,15 @@ class StreamWatcher:
             if ident not in self.saves:
                 path, name, _ = found[ident]
                 self.saves[ident] = SaveInProgress(path, name, ident, now)
-            self._look(self.saves[ident], now)
+            try:
+                self._look(self.saves[ident], now)
+            except Exception as exc:  # too large, too deep, or what the job made of it
+                why = str(exc) if isinstance(exc, _NotFollowed) else \
+                    f"it could not be looked into ({type(exc).__name__})"
+                dropped.append(self._drop(ident, why))
+                self._ignored[ident] = why
+                while len(self._ignored) > _IGNORED_KEPT:
+                    self._ignored.popitem(last=False)
         waiting = sorted((save for save in self.saves.values() if save.committed),
                          key=lambda save: save.created)
         for save in waiting[:-MAX_SAVES_FOLLOWED]:  # committed, never taken: bounded too
@@ -178,25 +207,88 @@ class StreamWatcher:
         return save
 
     def _look(self, save: SaveInProgress, now: float) -> None:
+        """Note every regular file of ``save`` (walked from its descriptor) and since when
+        it has been as it is; raises :class:`_NotFollowed` beyond the bounds."""
+        top = self._open_save(save)
+        if top is None:
+            return  # gone, or another folder by that name now: the next scan decides
         seen: dict[str, tuple[StatKey, float]] = {}
-        for current, dirnames, filenames in os.walk(save.path):
-            dirnames.sort()
-            self._watch_folder(save, current)
-            for filename in filenames:
-                full = os.path.join(current, filename)
-                relative = os.path.relpath(full, save.path).replace(os.sep, "/")
-                if relative in _NOT_SENT:
+        for relative, found in self._walk(save, top):
+            if relative in _NOT_SENT or not stat.S_ISREG(found.st_mode):
+                continue  # links and special files are never part of a checkpoint
+            key = stat_key(found)
+            old = save.keys.get(relative)
+            seen[relative] = old if old is not None and old[0] == key else (key, now)
+        save.keys = dict(sorted(seen.items()))  # by path: what ready() sends first
+
+    def _open_save(self, save: SaveInProgress) -> Optional[int]:
+        """The save's folder opened below the root without following a link, when it is
+        still the folder first found (same device and inode); else None."""
+        try:
+            root = os.open(self.root, _DIRECTORY)
+        except OSError:
+            return None
+        try:
+            top = os.open(save.path.name, _NO_FOLLOW_DIRECTORY, dir_fd=root)
+        except OSError:
+            return None
+        finally:
+            os.close(root)
+        found = os.fstat(top)
+        if (found.st_dev, found.st_ino) != save.folder:
+            os.close(top)
+            return None
+        return top
+
+    def _walk(self, save: SaveInProgress, top: int) -> Iterator[tuple[str, os.stat_result]]:
+        """Every entry below the open folder ``top`` (closed after), depth first: its path
+        relative to the save and its ``lstat``. Each folder is opened below the one above
+        it with ``O_NOFOLLOW``, and watched while it is open."""
+        stack: list[tuple[int, _Listing, str]] = []
+        count = 0
+        try:
+            self._enter(save, stack, top, "")
+            while stack:
+                directory, entries, prefix = stack[-1]
+                entry = next(entries, None)
+                if entry is None:
+                    stack.pop()
+                    _close(directory, entries)
                     continue
+                count += 1
+                if count > MAX_ENTRIES_PER_SAVE:
+                    raise _NotFollowed(f"more than {MAX_ENTRIES_PER_SAVE} files and folders")
                 try:
-                    found = os.lstat(full)
+                    found = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if not stat.S_ISREG(found.st_mode):
-                    continue  # links and special files are never part of a checkpoint
-                key = stat_key(found)
-                old = save.keys.get(relative)
-                seen[relative] = old if old is not None and old[0] == key else (key, now)
-        save.keys = seen
+                relative = prefix + entry.name
+                if not stat.S_ISDIR(found.st_mode):
+                    yield relative, found
+                    continue
+                if len(stack) > MAX_DEPTH:
+                    raise _NotFollowed(f"folders more than {MAX_DEPTH} deep")
+                try:
+                    child = os.open(entry.name, _NO_FOLLOW_DIRECTORY, dir_fd=directory)
+                except OSError:
+                    continue  # gone, or no longer a folder
+                self._enter(save, stack, child, relative + "/")
+        finally:
+            for directory, entries, _ in stack:
+                _close(directory, entries)
+
+    def _enter(self, save: SaveInProgress,
+               stack: list[tuple[int, _Listing, str]],
+               directory: int, prefix: str) -> None:
+        """Watch and list the open folder ``directory`` (``prefix`` below the save); it
+        is the stack's to close from now on."""
+        try:
+            entries = os.scandir(directory)
+        except OSError:
+            os.close(directory)
+            return
+        stack.append((directory, entries, prefix))
+        self._watch_folder(save, directory, prefix)
 
     def ready(self) -> Optional[tuple[SaveInProgress, str, StatKey]]:
         """The next finished file to send: newest save first, then by path."""
@@ -206,8 +298,7 @@ class StreamWatcher:
                 continue
             with self._lock:
                 closed = dict(save.closed)
-            for relative in sorted(save.keys):
-                key, since = save.keys[relative]
+            for relative, (key, since) in save.keys.items():  # by path (sorted once)
                 if save.tried.get(relative) == key:
                     continue
                 if closed.get(relative) == key or now - since >= self.settle_seconds:
@@ -237,16 +328,16 @@ class StreamWatcher:
 
     # ------------------------------------------------------------------ close events
 
-    def _watch_folder(self, save: SaveInProgress, current: str) -> None:
-        """Watch one folder of a followed save on the shared instance (once)."""
+    def _watch_folder(self, save: SaveInProgress, directory: int, prefix: str) -> None:
+        """Watch one open folder of a followed save on the shared instance (once): the
+        folder opened, through its descriptor, not whatever its path names now."""
         if self._watch is None:
             return
-        relative = os.path.relpath(current, save.path)  # "." for the save's own folder
+        relative = prefix.rstrip("/") or "."  # "." for the save's own folder
         with self._lock:
             folders = self._folders.setdefault(save.folder, {})
             if relative in folders or len(folders) >= MAX_FOLDERS_WATCHED:
                 return
-        prefix = "" if relative == "." else relative.replace(os.sep, "/") + "/"
 
         def on_event(wd: int, mask: int, name: str) -> None:
             if mask & IN_IGNORED:  # the folder went: forget it, a new one is watched anew
@@ -258,7 +349,11 @@ class StreamWatcher:
             elif mask & IN_CLOSE_WRITE and name:
                 self._closed(save, prefix + name)
 
-        wd = self._watch.add(Path(current), _SAVE_EVENTS, on_event)
+        if _FD_PATHS.is_dir():
+            wd = self._watch.add(_FD_PATHS / str(directory), _SAVE_EVENTS & ~IN_DONT_FOLLOW,
+                                 on_event)
+        else:
+            wd = self._watch.add(save.path / prefix, _SAVE_EVENTS, on_event)
         if wd is not None:
             with self._lock:
                 folders[relative] = wd
@@ -280,3 +375,20 @@ class StreamWatcher:
         if self._watch is not None:
             for wd in wds:
                 self._watch.remove(wd)
+
+
+class _Listing(Protocol):
+    """What ``os.scandir`` returns: its entries, and ``close``."""
+
+    def __next__(self) -> os.DirEntry[str]: ...
+
+    def close(self) -> None: ...
+
+
+class _NotFollowed(Exception):
+    """Why a save is too large or too deep to follow."""
+
+
+def _close(directory: int, entries: _Listing) -> None:
+    entries.close()
+    os.close(directory)

@@ -123,6 +123,7 @@ _MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader wr
 _GONE = "the local checkpoint is gone"
 _INVALID = "not valid: "  # then why: considered again when it is valid again
 _REFUSED = "not durable: "  # then which job file was refused: again once saved again
+_WARNED_KEPT = 64  # failures remembered (said once each); a job makes as many as it likes
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,7 @@ class Uploader:
         self._failures_in_a_row = 0
         self._last_failure: Optional[str] = None
         self._refused: dict[str, str] = {}  # committed checkpoints no longer valid: why
+        self._warned: dict[str, str] = {}  # what failed in a scan, and why: said once
         self._last_scan = 0.0  # time.monotonic() of the last scan
         self._last_scan_at: Optional[float] = None  # the same on self._clock, once done
 
@@ -271,7 +273,7 @@ class Uploader:
                 return 0.0
             self._prepared = True
         if self._stream is not None:
-            for save in self._stream.scan():
+            for save in self._scan_saves():
                 log.info("the save of %s is no longer followed (%s); its %d staged file(s) "
                          "are discarded", save.name, save.dropped,
                          len(save.staging.files) if save.staging else 0)
@@ -288,6 +290,26 @@ class Uploader:
             return self._idle_seconds()
         self._attempt(record)
         return 0.0
+
+    def _scan_saves(self) -> list[SaveInProgress]:
+        """The stream's scan, which must not stop committed checkpoints from going up:
+        should it fail, saves in progress wait for their commit (logged once per cause)."""
+        assert self._stream is not None
+        try:
+            return self._stream.scan()
+        except Exception as exc:
+            self._once("saves in progress", f"saves in progress are not sent early for now "
+                       f"(they go up once committed): looking at them failed: {exc!r}")
+            return []
+
+    def _once(self, what: str, message: str) -> None:
+        """One warning per ``what`` and message (the same again at debug level)."""
+        level = logging.DEBUG if self._warned.get(what) == message else logging.WARNING
+        if level == logging.WARNING:
+            self._warned[what] = message
+            while len(self._warned) > _WARNED_KEPT:
+                self._warned.pop(next(iter(self._warned)))
+        log.log(level, "%s", printable(message))
 
     def _self_contain(self, name: str) -> None:
         """Copy server-side what ``name`` refers to; it gives way as all idle work does."""
@@ -358,6 +380,8 @@ class Uploader:
                 refused[info.name] = str(exc)
             except OSError:
                 continue  # went away between the listing and now
+            except Exception as exc:  # one folder must not stop the others going up
+                refused[info.name] = f"its manifest could not be read ({exc!r})"
         for name, reason in refused.items():
             if self._refused.get(name) != reason:  # once per checkpoint and reason
                 log.warning("not uploading %s: %s", printable(name), printable(reason))

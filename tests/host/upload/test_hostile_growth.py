@@ -23,7 +23,13 @@ import pytest
 from daemon_harness import wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint
-from sidecar.host.upload.stream import MAX_SAVES_FOLLOWED, StreamWatcher
+from sidecar.host.upload.stream import (
+    MAX_DEPTH,
+    MAX_ENTRIES_PER_SAVE,
+    MAX_SAVES_FOLLOWED,
+    FolderId,
+    StreamWatcher,
+)
 from sidecar.host.upload.uploader import Uploader, UploaderConfig
 from sidecar.host.upload.volume import VolumeDestination
 from sidecar.host.upload.watch import FolderWatch
@@ -187,3 +193,129 @@ def test_normal_streamed_saves_log_no_error(
     errors = [record.getMessage() for record in caplog.records
               if record.levelno >= logging.ERROR]
     assert errors == []
+
+
+# ------------------------------------------------- red team of issue 35: saves in progress
+
+
+def nested(top: Path, depth: int) -> None:
+    """``top/d/d/d/...`` ``depth`` folders deep (made through descriptors: no long paths)."""
+    top.mkdir()
+    current = os.open(top, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=current)
+            below = os.open("d", os.O_RDONLY, dir_fd=current)
+            os.close(current)
+            current = below
+    finally:
+        os.close(current)
+
+
+def remove_nested(top: Path) -> None:
+    """Remove what :func:`nested` made, a level at a time (rmtree recurses too deep)."""
+    while (top / "d" / "d").is_dir():
+        (top / "d" / "d").rename(top / "below")
+        (top / "d").rmdir()
+        (top / "below").rename(top / "d")
+    if (top / "d").is_dir():
+        (top / "d").rmdir()
+    top.rmdir()
+
+
+def save_in_progress(root: Path, step: int) -> Path:
+    """A folder named as atomic_checkpoint names a save in progress."""
+    return root / f".tmp-step_{step:08d}.0badf00d-{4000 + step}-{step}.{step:08x}"
+
+
+def test_a_save_with_more_entries_than_followed_is_dropped_and_not_walked_again(
+    tmp_path: Path,
+) -> None:
+    """A job's save of thousands of empty files cost the daemon a walk of all of them
+    every scan, and a real checkpoint took 20 s instead of 0.2 s to be durable: beyond
+    MAX_ENTRIES_PER_SAVE a save is no longer followed (it goes up once committed)."""
+    big = save_in_progress(tmp_path, 7)
+    big.mkdir()
+    for index in range(MAX_ENTRIES_PER_SAVE + 1):
+        os.close(os.open(big / f"f{index:05d}", os.O_CREAT | os.O_WRONLY, 0o644))
+    small = save_in_progress(tmp_path, 8)
+    small.mkdir()
+    (small / "a.bin").write_bytes(b"x")
+    stream = StreamWatcher(tmp_path, settle_seconds=0)
+    dropped = stream.scan()
+    assert [(save.path, save.dropped) for save in dropped] == [
+        (big, f"more than {MAX_ENTRIES_PER_SAVE} files and folders")]
+    assert [save.path for save in stream.saves.values()] == [small]
+    assert stream.scan() == [] and [s.path for s in stream.saves.values()] == [small]
+    found = stream.ready()
+    assert found is not None and found[1] == "a.bin"
+
+
+def test_a_save_deeper_than_followed_is_dropped(tmp_path: Path) -> None:
+    deep = save_in_progress(tmp_path, 7)
+    nested(deep, MAX_DEPTH + 2)
+    stream = StreamWatcher(tmp_path, settle_seconds=0)
+    dropped = stream.scan()
+    assert [save.dropped for save in dropped] == [f"folders more than {MAX_DEPTH} deep"]
+    assert stream.saves == {}
+
+
+class SwappedAfterListing(StreamWatcher):
+    """The job wins the race: right after the scan listed its save in progress (a
+    folder), the folder is moved aside and a link to a root-only folder takes its name."""
+
+    target: Path
+
+    def _temporary_folders(self) -> dict[FolderId, tuple[Path, str, int]]:
+        found = super()._temporary_folders()
+        for path, _, _ in found.values():
+            if not path.is_symlink():
+                path.rename(path.with_name("aside"))
+                path.symlink_to(self.target, target_is_directory=True)
+        return found
+
+
+def test_a_link_swapped_in_for_a_save_is_never_walked(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.mkdir(mode=0o700)
+    (secret / "hidden-name.txt").write_bytes(b"x")
+    root = tmp_path / "local"
+    root.mkdir()
+    save = save_in_progress(root, 7)
+    save.mkdir()
+    (save / "a.bin").write_bytes(b"a")
+    stream = SwappedAfterListing(root, settle_seconds=0)
+    stream.target = secret
+    stream.scan()
+    keys = [relative for followed in stream.saves.values() for relative in followed.keys]
+    assert keys == []  # not the folder listed, so nothing of it (nor of the link's target)
+
+
+def test_one_hostile_folder_never_stops_the_uploads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A manifest nested 200,000 deep, a save in progress nested 1,500 deep: each once
+    raised RecursionError out of every upload cycle, and nothing was uploaded again. Now
+    each is skipped with one warning, and real checkpoints go up beside them."""
+    root, volume = tmp_path / "local", tmp_path / "volume"
+    root.mkdir()
+    volume.mkdir()
+    caplog.set_level(logging.INFO, "sidecar.host.upload")
+    with running_uploader(root, volume) as uploader:
+        (root / "junk").mkdir()
+        (root / "junk" / "MANIFEST.json").write_bytes(b"[" * 200_000)
+        nested(save_in_progress(root, 50), 1500)
+        try:
+            for step in (1, 2):  # saved beside and moved in (the job's own cleaning of
+                # leftovers would walk the deep folder: leftovers.py, the job's problem)
+                with atomic_checkpoint(tmp_path / "other", step) as folder:
+                    (folder / "model.pt").write_bytes(os.urandom(1000))
+                (tmp_path / "other" / f"step_{step:08d}").rename(root / f"step_{step:08d}")
+                wait_for(lambda step=step: state(uploader, f"step_{step:08d}") == "done",
+                         timeout=30)
+        finally:
+            remove_nested(save_in_progress(root, 50))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [line for line in warnings if "junk" in line] == [
+        "not uploading junk: MANIFEST.json nests too deeply to be a manifest"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
