@@ -187,6 +187,8 @@ def _create_under(folder: int, relative: str) -> int:
     """Create the new file ``relative`` under the open ``folder`` (its sub-folders made
     as needed), following no link on the way. Returns the file's descriptor."""
     parts = relative.split("/")
+    if any(part in ("", ".", "..") for part in parts):  # read_manifest refuses them too
+        raise Invalid(f"manifest lists an unsafe path: {relative!r}")
     current = os.dup(folder)
     try:
         for part in parts[:-1]:

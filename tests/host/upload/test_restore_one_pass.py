@@ -188,3 +188,12 @@ def test_the_bandwidth_cap_holds_for_all_the_ranged_gets_together(
     started = time.monotonic()
     restore(s3.storage(max_bandwidth=2 * MIB, concurrency=4), location, tmp_path / "fresh")
     assert time.monotonic() - started >= 3 / 2 * 0.8  # 3 MiB at 2 MiB/s, 4 GETs at once
+
+
+def test_a_path_that_leaves_the_target_is_refused(tmp_path: Path) -> None:
+    into = tmp_path / "deep" / "into"
+    into.mkdir(parents=True)
+    entry = FileEntry("../escaped.bin", 3, None)
+    with pytest.raises(Invalid, match="unsafe path"):
+        copy_verified(FolderSource(tmp_path), [entry], into)
+    assert not (tmp_path / "deep" / "escaped.bin").exists()
