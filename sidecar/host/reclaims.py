@@ -21,8 +21,11 @@ an account. So the mean time between reclaims comes only from the releases the d
 itself (``sidecar.host.releases_seen``), never from an account; accounts are attributed
 (``posted_by``), counted once per job and release, refused when a figure exceeds what
 this daemon could have seen (its uptime plus a day: 422 naming the field), admitted
-:data:`ACCOUNTS_BURST` at once then one a minute (429), and logged at most one line a
-minute, the others counted in that line.
+:data:`ACCOUNTS_BURST` at once then one a minute per sender as ``posted_by`` names it (429:
+the job events, all jobs together, since any process names a job; each peer posting a
+restore's; :data:`SENDERS_KEPT` senders remembered), so a flooder spends its own allowance,
+not an honest restore's from another peer; logged at most one line a minute, the others
+counted in that line.
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ from prometheus_client.core import (
     Metric,
 )
 
-from sidecar.host.event_limits import TokenBucket
+from sidecar.host.event_limits import KeyedBuckets
 from sidecar.host.releases_seen import NEAR_SECONDS, ReleasesSeen
 from sidecar.train.protection import short_duration
 from sidecar.train.reclaim_cost import ReleaseCost, effective_ratio, release_cost, with_resume
 
-__all__ = ["ACCOUNTS_BURST", "LOST_BUCKETS", "AccountRefused", "ReclaimLedger",
+__all__ = ["ACCOUNTS_BURST", "LOST_BUCKETS", "SENDERS_KEPT", "AccountRefused", "ReclaimLedger",
            "account_from_events"]
 
 log = logging.getLogger("sidecar.host.reclaims")
@@ -57,6 +60,9 @@ CLOSED_KEPT = 1000  # (job, release) keys remembered against a second count
 # and a restore each, fit in the burst; releases come hours apart).
 ACCOUNTS_BURST = 10
 ACCOUNTS_PER_SECOND = 1 / 60
+# Senders whose allowance is remembered (least recently heard forgotten first): the job
+# events and the peers posting restores (a node's pods under hostNetwork), many times over.
+SENDERS_KEPT = 64
 LOG_EVERY_SECONDS = 60.0  # one line about accounts a minute at most, the rest counted
 # What no account can exceed: the daemon's uptime plus this (a restore accounts the previous
 # machine's release, before this daemon started).
@@ -161,7 +167,8 @@ class ReclaimLedger:
         self._observed: list[float] = []  # every lost figure, for the histogram (bounded)
         self._closed: OrderedDict[tuple[Optional[str], float], None] = OrderedDict()
         self._seen = ReleasesSeen(self._started)
-        self._admit = TokenBucket(ACCOUNTS_PER_SECOND, ACCOUNTS_BURST, monotonic)
+        self._admit: KeyedBuckets[str] = KeyedBuckets(ACCOUNTS_PER_SECOND, ACCOUNTS_BURST,
+                                                      SENDERS_KEPT, monotonic)
         self._refused = {"implausible": 0, "rate": 0}
         self._logged_at: Optional[float] = None
         self._unlogged = 0
@@ -198,12 +205,12 @@ class ReclaimLedger:
                     raise AccountRefused(
                         f"{name}: {value:.0f} s (released_unix - state_unix for lost_seconds) "
                         f"is more than this daemon has run plus a day ({bound:.0f} s)", 422)
-            if not self._admit.take():
+            if not self._admit.bucket(posted_by).take():
                 self._refused["rate"] += 1
                 self._log_or_count(logging.WARNING, "refused an account from %s: over %d "
                                    "at once, then one a minute", posted_by, ACCOUNTS_BURST)
                 raise AccountRefused(f"accounts: more than {ACCOUNTS_BURST} at once, then one "
-                                     "a minute; try later", 429)
+                                     "a minute from one sender; try later", 429)
             self._remember(key)
             self._accounts.append(_Account(cost, posted_by))
             self._count(cost)
