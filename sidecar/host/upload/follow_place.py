@@ -1,18 +1,20 @@
 """The follower's writes into the job's checkpoint folder, which is hostile input (the
 daemon is root, the folder the job's): ARCHITECTURE.md, "Trust boundary".
 
-- Nothing is written through a path that runs through the job's folder. The follower
-  builds each copy in a private folder it makes there (``.tmp-follow.<random>``: made by
-  ``mkdir`` relative to the folder's fd, opened ``O_NOFOLLOW``, checked to be root's and
-  0700, so the job can neither write into it nor swap it: the job's processes run as
-  another user). Below it, paths go through ``/proc/self/fd/<fd>`` of that open folder,
-  which no rename in the job's folder can redirect; so the restore's own copy and
-  download code writes there unchanged.
+- Nothing is written through a path that runs through the job's folder. The follower,
+  and ``esi-sidecar restore`` (``volume.commit_into``), build each copy in a private
+  folder made there (``.tmp-follow.<random>``: made by ``mkdir`` relative to the folder's
+  fd, opened ``O_NOFOLLOW``, checked to be ours and 0700, so the job, another user, can
+  neither read nor write into it). Below it, paths go through ``/proc/self/fd/<fd>`` of
+  that open folder, which no rename in the job's folder can redirect (the job may rename
+  the folder away and put a link in its place: nothing goes through the name); so the
+  restore's own copy and download code writes there unchanged.
 - Every file and folder of a copy is handed to the folder's owner (``fchown`` to its
-  ``st_uid``/``st_gid``, files 0444 as on a volume: a file may be a hard link shared with
-  the previous copy) before it becomes visible, by one ``renameat2(RENAME_NOREPLACE)``:
-  never over an entry the job made. The ``latest`` pointer is created the same way and
-  replaced only while it is the one the follower made.
+  ``st_uid``/``st_gid``; the follower's files 0444 as on a volume: a file may be a hard
+  link shared with the previous copy) before it becomes visible, by one
+  ``renameat2(RENAME_NOREPLACE)``: never over an entry the job made. The ``latest``
+  pointer is created the same way and replaced only while it is the one the follower
+  made (the restore: the one it found).
 - The private folder's name matches neither a save in progress (``stream._TEMP``, which
   the uploader sends early) nor a killed save's leftover (``clean_leftovers``): the
   uploader never sends the follower's copy before it is complete, and the job's
@@ -35,7 +37,8 @@ from typing import Optional
 from sidecar.checkpoint.manifest import FileEntry, Invalid, open_under
 
 __all__ = ["DELETING", "PRIVATE", "Private", "clean_own", "hand_over", "is_own_name",
-           "link_unchanged", "open_folder", "place_latest", "rename_no_replace", "retire"]
+           "link_unchanged", "open_folder", "open_target", "place_latest",
+           "rename_no_replace", "retire"]
 
 PRIVATE = ".tmp-follow."  # the follower's building folders
 DELETING = ".del-follow."  # a previous copy on its way out
@@ -53,6 +56,20 @@ def is_own_name(name: str) -> bool:
 def open_folder(path: Path) -> int:
     """The checkpoint folder, opened without following a link at its last component."""
     return os.open(path, _DIR)
+
+
+def open_target(path: Path) -> int:
+    """A folder named by the operator (``restore --to``), opened as :func:`open_folder`; a
+    link there is followed only when root or this user made it: a link the job made in
+    its own parent folder could aim anywhere."""
+    try:
+        return open_folder(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR) or not os.path.islink(path):
+            raise
+    if os.lstat(path).st_uid not in (0, os.geteuid()):
+        raise PermissionError(errno.EPERM, "a symbolic link another user made", str(path))
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
 def rename_no_replace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
@@ -88,7 +105,7 @@ class Private:
         found = os.fstat(self.fd)
         if found.st_uid != os.geteuid() or found.st_mode & 0o077:
             os.close(self.fd)
-            raise PermissionError(errno.EPERM, "the follower's folder was replaced", self.name)
+            raise PermissionError(errno.EPERM, "the private folder was replaced", self.name)
         self.path = Path(f"/proc/self/fd/{self.fd}")
 
     def discard(self) -> None:
@@ -142,20 +159,29 @@ def link_unchanged(previous_fd: int, folder: Path, entries: tuple[FileEntry, ...
     return linked
 
 
-def hand_over(folder: Path, uid: int, gid: int) -> None:
-    """Every file (0444) and folder (0755) of ``folder`` (private) given to ``uid``:``gid``,
-    opened without following a link; folders fsynced (the links are entries too)."""
+def _give(handle: int, uid: int, gid: int) -> None:
+    """``handle``'s file given to ``uid``:``gid`` (nothing to do when it is theirs: a user
+    restoring into their own folder need not be in its group)."""
+    found = os.fstat(handle)
+    if (found.st_uid, found.st_gid) != (uid, gid):
+        os.fchown(handle, uid, gid)
+
+
+def hand_over(folder: Path, uid: int, gid: int, *, file_mode: int = 0o444) -> None:
+    """Every file (``file_mode``) and folder (0755) of ``folder`` (private) given to
+    ``uid``:``gid``, opened without following a link; folders fsynced (the links are
+    entries too)."""
     for current, _dirnames, filenames in os.walk(folder, topdown=False):
         for filename in filenames:
             handle = os.open(os.path.join(current, filename), os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                os.fchown(handle, uid, gid)
-                os.fchmod(handle, 0o444)
+                _give(handle, uid, gid)
+                os.fchmod(handle, file_mode)
             finally:
                 os.close(handle)
         handle = os.open(current, _DIR)
         try:
-            os.fchown(handle, uid, gid)
+            _give(handle, uid, gid)
             os.fchmod(handle, 0o755)
             os.fsync(handle)
         finally:
@@ -170,7 +196,7 @@ def place_latest(private: Private, root_fd: int, name: str, uid: int, gid: int,
     try:
         os.write(handle, f"{name}\n".encode())
         os.fsync(handle)
-        os.fchown(handle, uid, gid)
+        _give(handle, uid, gid)
         made = os.fstat(handle).st_ino
     finally:
         os.close(handle)
@@ -199,6 +225,10 @@ def retire(root_fd: int, name: str, inode: int) -> None:
         return
     hidden = DELETING + os.urandom(8).hex()
     rename_no_replace(root_fd, name, root_fd, hidden)
+    moved = os.lstat(hidden, dir_fd=root_fd)  # the job may have swapped it after the check
+    if moved.st_ino != inode or not stat.S_ISDIR(moved.st_mode):
+        rename_no_replace(root_fd, hidden, root_fd, name)  # the job's entry: given back
+        return
     shutil.rmtree(hidden, dir_fd=root_fd)
 
 

@@ -6,9 +6,11 @@ it last). Its files (an unchanged one from the older folder its references name,
 folder in the target root and checked against the manifest in the same pass (sizes
 always, sha256 when the save recorded it; ``verified_copy``, ``s3_source``), fsynced, the
 remote manifest written last, and the folder renamed into place: the same commit as
-``atomic_checkpoint``, so ``latest_valid(root)`` finds it and a killed restore leaves only
-a leftover that the next save or resume removes. A checkpoint whose files do not match
-its manifest is skipped with a warning and the next older one is taken, as from a volume.
+``atomic_checkpoint``, made through the target folder's fd (``volume.commit_into``: the
+folder may be a job's, hostile input), so ``latest_valid(root)`` finds it and nothing
+appears under the checkpoint's name before it is complete. A checkpoint whose files do
+not match its manifest is skipped with a warning and the next older one is taken, as
+from a volume.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sidecar.checkpoint.folders import CheckpointError, clean_leftovers, validate
+from sidecar.checkpoint.folders import clean_leftovers
 from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_refs import read_references, source_key
@@ -35,8 +37,8 @@ from sidecar.host.upload.volume import (
     Restored,
     RestoreError,
     already_there,
-    commit_folder,
-    point_latest,
+    commit_into,
+    describe_os_error,
 )
 
 __all__ = ["RemoteCheckpoint", "find_complete", "restore", "restore_checkpoint", "restore_named"]
@@ -193,7 +195,10 @@ def restore_checkpoint(
     :class:`RestoreError`."""
     started = time.monotonic() if started is None else started
     source = location.url.rstrip("/") + "/" + found.name + "/"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, "making the folder", root)) from None
     target = root / found.name
     if os.path.lexists(target):
         return already_there(target, found.manifest, source, started)
@@ -218,10 +223,5 @@ def restore_checkpoint(
         except Exception as exc:
             raise RestoreError(describe_error(exc, storage, f"downloading {source}")) from None
 
-    commit_folder(root, found.name, found.manifest, fill)
-    point_latest(root, found.name)
-    try:
-        info = validate(target)
-    except CheckpointError as exc:  # pragma: no cover - checked before the rename
-        raise RestoreError(str(exc)) from None
+    info = commit_into(root, found.name, found.manifest, fill)
     return Restored(info, source, time.monotonic() - started, already_present=False)

@@ -12,6 +12,7 @@ checkpoint is never visible under its name; a killed copy leaves a ``.tmp-`` fol
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import logging
@@ -23,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from sidecar.checkpoint.durable import replace_atomically
 from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
-from sidecar.checkpoint.leftovers import clean_leftovers, writer_tag
+from sidecar.checkpoint.leftovers import clean_leftovers
 from sidecar.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointError,
@@ -37,6 +37,13 @@ from sidecar.checkpoint.manifest import (
     read_manifest,
 )
 from sidecar.host.upload.commit_check import DurableFile, StagingDestination, durable_entries
+from sidecar.host.upload.follow_place import (
+    Private,
+    hand_over,
+    open_target,
+    place_latest,
+    rename_no_replace,
+)
 from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
 from sidecar.host.upload.verified_copy import FolderSource, copy_verified
 from sidecar.host.upload.volume_stage import (
@@ -45,7 +52,6 @@ from sidecar.host.upload.volume_stage import (
     VolumeStaging,
     seal_folder,
     staging_folder,
-    token,
 )
 
 __all__ = [
@@ -59,7 +65,9 @@ __all__ = [
     "VolumeDestination",
     "check_copy",
     "commit_folder",
+    "commit_into",
     "copy_checkpoint",
+    "describe_os_error",
     "newest_on_volume",
     "restore_checkpoint",
     "restore_from_volume",
@@ -174,12 +182,56 @@ def check_copy(info: CheckpointInfo, verify_checksums: bool) -> Callable[[Path],
     return check
 
 
-def point_latest(root: Path, name: str) -> None:
-    """``root/latest`` names ``name`` when it is the newest valid checkpoint there."""
+def point_latest(private: Private, root_fd: int, root: Path, name: str, uid: int,
+                 gid: int) -> None:
+    """``root/latest`` names ``name`` when it is the newest valid checkpoint there: made in
+    ``private`` and renamed in relative to ``root_fd``, over the pointer found only while
+    it is still that one (``follow_place.place_latest``)."""
     newest = latest_valid(root, clean=False)
-    if newest is not None and newest.name == name:
-        replace_atomically(root / LATEST_NAME, f"{name}\n".encode(),
-                           temp_name=f".tmp-{LATEST_NAME}.{writer_tag()}.{token()}")
+    if newest is None or newest.name != name:
+        return
+    try:
+        found: Optional[int] = os.lstat(LATEST_NAME, dir_fd=root_fd).st_ino
+    except FileNotFoundError:
+        found = None
+    place_latest(private, root_fd, name, uid, gid, found)
+
+
+def commit_into(root: Path, name: str, manifest: bytes,
+                fill: Callable[[Path], None]) -> CheckpointInfo:
+    """Commit ``root/<name>`` in a job's folder (hostile: ARCHITECTURE.md, "Trust
+    boundary") and point ``latest`` at it. The folder is opened once
+    (``follow_place.open_target``); the copy is built by :func:`commit_folder` in a
+    private folder reached only through its fd (``follow_place.Private``), checked,
+    handed to the folder's owner, then renamed in relative to the folder's fd, never over
+    an entry made meanwhile. Returns the validated checkpoint. Raises :class:`Invalid`
+    from ``fill``, else :class:`RestoreError` with one line."""
+    try:
+        root_fd = open_target(root)
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, "opening the folder", root)) from None
+    try:
+        owner = os.fstat(root_fd)
+        private = Private(root_fd)
+        try:
+            built = commit_folder(private.path, name, manifest, fill)
+            info = validate(built)
+            hand_over(built, owner.st_uid, owner.st_gid, file_mode=0o644)
+            rename_no_replace(private.fd, name, root_fd, name)
+            os.fsync(root_fd)
+            point_latest(private, root_fd, root, name, owner.st_uid, owner.st_gid)
+        finally:
+            private.discard()
+    except FileExistsError:
+        raise RestoreError(f"{root / name} appeared while it was restored (another "
+                           "process writes there): left as it is") from None
+    except CheckpointError as exc:  # pragma: no cover - fill checked every file
+        raise RestoreError(str(exc)) from None
+    except OSError as exc:
+        raise RestoreError(describe_os_error(exc, f"restoring {name}", root)) from None
+    finally:
+        os.close(root_fd)
+    return dataclasses.replace(info, path=root / name)
 
 
 def newest_on_volume(root: Path, step: Optional[int] = None) -> Optional[CheckpointInfo]:
@@ -393,9 +445,5 @@ def restore_checkpoint(found: CheckpointInfo, root: Path, *, verify_checksums: b
         copy_verified(FolderSource(found.path), found.files, temp,
                       verify_checksums=verify_checksums)
 
-    try:
-        final = commit_folder(root, found.name, manifest, fill)
-    except OSError as exc:
-        raise RestoreError(describe_os_error(exc, f"copying {source}", root)) from None
-    point_latest(root, found.name)
-    return Restored(validate(final), source, time.monotonic() - started, already_present=False)
+    info = commit_into(root, found.name, manifest, fill)
+    return Restored(info, source, time.monotonic() - started, already_present=False)
