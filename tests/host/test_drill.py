@@ -15,7 +15,7 @@ from typing import Any, Optional
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.host.drill import DrillBoard, DrillRefused, default_lead
+from sidecar.host.drill import DrillBoard, DrillRefused, default_lead, verdict_of
 from sidecar.host.drill_event import DrillReport
 
 
@@ -163,6 +163,27 @@ def test_no_report_by_the_deadline_and_the_grace_is_no_answer() -> None:
     assert body["drills"][0]["result"] == "no-answer" and body["counts"]["no-answer"] == 1
     assert body["drills"][0]["reason"].startswith("no answer: no job reported")
     assert drill.result == "no-answer"
+
+
+def test_durable_at_the_drill_deadline_itself_passes_and_each_failure_says_why() -> None:
+    assert verdict_of(report("durable", lead_seconds=0.0), None) == (
+        "pass", "durable 0.0 s before the drill deadline")
+    assert verdict_of(report("durable", lead_seconds=0.5), None)[0] == "pass"
+    assert verdict_of(report("no-save"), None) == (
+        "fail", "no save was made for the drill deadline")
+    assert verdict_of(report("too-late"), "remaining 4.0 s") == (
+        "fail", "the lead could not hold a save and its upload: no save started "
+        "(remaining 4.0 s)")
+
+
+def test_every_reported_drill_is_counted_not_only_the_first_of_its_result() -> None:
+    board = DrillBoard()
+    for n, (drill_id, now) in enumerate((("drill-1", 1000.0), ("drill-2", 1100.0)), start=1):
+        jobs = [{**JOB[0], "last_event_at_unix": now}]
+        board.start(60.0, real_deadline=None, jobs=jobs, now=now)
+        board.report(DrillReport(id=drill_id, outcome="durable", lead_seconds=8.0), job="j:1",
+                     rank=0, step=7, reason=None, now=now + 52.0)
+        assert board.body(None, now + 52.0)["counts"]["pass"] == n
 
 
 def test_every_decided_drill_is_counted_not_only_the_first_of_its_result() -> None:

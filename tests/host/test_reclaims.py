@@ -13,16 +13,22 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 from guard_support import closed_port
 
 from sidecar.checkpoint.folders import atomic_checkpoint
-from sidecar.host.reclaims import ReclaimLedger, account_from_events
+from sidecar.host.reclaims import (
+    SLACK_SECONDS,
+    AccountRefused,
+    ReclaimLedger,
+    account_from_events,
+)
 from sidecar.timeparse import format_rfc3339, parse_timestamp
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard
 from sidecar.train.policy import SavePolicy
-from sidecar.train.reclaim_cost import lost_seconds, redone_seconds
+from sidecar.train.reclaim_cost import ReleaseCost, lost_seconds, redone_seconds
 
 
 def train_until_the_release(url: str, root: Path) -> int:
@@ -130,6 +136,26 @@ def test_the_ledger_keeps_its_accounts_across_a_restart() -> None:
         assert "costs[0]" in str(exc)
     else:
         raise AssertionError("a bad section was loaded")
+
+
+def test_an_account_longer_than_the_daemon_ran_plus_a_day_is_refused_and_counted() -> None:
+    clock = [1_700_000_000.0]
+    ledger = ReclaimLedger(clock=lambda: clock[0])
+    clock[0] += 3600.0  # the daemon has run an hour: no release it saw cost more than 25 h
+    bound = 3600.0 + SLACK_SECONDS
+
+    def cost(released: float, lost: float) -> ReleaseCost:
+        return ReleaseCost(released_unix=released, state_unix=released - lost,
+                           resumed_step=None, lost_seconds=lost, redone_seconds=0.0,
+                           idle_seconds=0.0, saves=0, job="j:1")
+
+    assert ledger.record(cost(1_700_003_000.0, bound))  # exactly the bound: kept
+    for n, released in enumerate((1_700_003_100.0, 1_700_003_200.0), start=1):
+        with pytest.raises(AccountRefused, match="more than this daemon has run") as refused:
+            ledger.record(cost(released, bound + 1.0))
+        assert refused.value.status == 422
+        assert ledger.body()["refused"] == {"implausible": n, "rate": 0}
+    assert ledger.body()["count"] == 1
 
 
 def test_a_restore_posts_its_account_once_and_a_bad_one_is_refused() -> None:
