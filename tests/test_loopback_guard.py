@@ -98,3 +98,18 @@ def test_every_metadata_url_points_at_a_closed_loopback_port() -> None:
     urls = {option.env for option in OPTIONS
             if "metadata" in option.name or option.name.endswith("imds_url")}
     assert urls == set(METADATA_URL_SETTINGS)
+
+
+def test_pip_alone_may_reach_the_package_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorded: list[Any] = []
+    guarded = loopback_guard.guard(lambda sock, address: recorded.append(address[0]),
+                                   host_netns=loopback_guard.current_netns())
+    for program in ("/venv/bin/pip", "/venv/lib/python3.11/site-packages/pip/__main__.py",
+                    "/venv/lib/python3.11/site-packages/pip/__pip-runner__.py"):
+        monkeypatch.setattr(sys, "argv", [program, "install"])
+        with socket.socket() as sock:
+            guarded(sock, ("203.0.113.80", 443))
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/esi-sidecar", "serve"])
+    with socket.socket() as sock, pytest.raises(loopback_guard.BeyondLoopbackError):
+        guarded(sock, ("203.0.113.80", 443))
+    assert recorded == ["203.0.113.80"] * 3

@@ -10,6 +10,8 @@ says what a child needs to install it too: ``tests/support/netguard/`` holds a
 ``sitecustomize`` that Python imports at start-up from ``PYTHONPATH``. A process inside a
 network namespace other than the test session's (``unshare --net``, which has only its own
 loopback and whatever the test adds) may reach any address there: nothing leaves it.
+pip alone may reach the package registries (:func:`is_pip`): the install tests install
+from them, as a user does.
 """
 
 from __future__ import annotations
@@ -43,6 +45,14 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def is_pip() -> bool:
+    """This process is pip (``pip``, ``python -m pip``, or pip's build-dependency runner):
+    the install tests install from the package registries this machine is set up with, the
+    one outside service the tests may use, and only through pip."""
+    program = Path(sys.argv[0] if sys.argv and sys.argv[0] else "")
+    return program.name.startswith("pip") or program.parent.name == "pip"
+
+
 def guard(connect: Callable[..., Any], host_netns: str) -> Callable[..., Any]:
     """``connect`` that raises :class:`BeyondLoopbackError` for an address beyond loopback,
     unless this process runs in a network namespace other than ``host_netns``."""
@@ -50,7 +60,7 @@ def guard(connect: Callable[..., Any], host_netns: str) -> Callable[..., Any]:
     def guarded(sock: socket.socket, address: Any) -> Any:
         if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
             host = str(address[0])
-            if not is_loopback(host) and current_netns() == host_netns:
+            if not is_loopback(host) and current_netns() == host_netns and not is_pip():
                 message = (f"tests may reach loopback only, not {host!r} (port {address[1]}): "
                            "point this URL at 127.0.0.1")
                 print(f"loopback guard (pid {os.getpid()}): {message}", file=sys.stderr)
