@@ -16,7 +16,7 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # The image's version label: sidecar/__init__.py's __version__, which the build installs
 # (tests/e2e/test_release.py fails when this default, or a tag above, names another).
 ARG VERSION=0.1.0
-# Set (e.g. UPLOAD=1): also the [upload] extra (boto3, watchdog) for the checkpoint uploader.
+# Set (e.g. UPLOAD=1): also the [upload] extra (boto3) for the checkpoint uploader.
 ARG UPLOAD=
 
 # ---- builder: the venv, made by the same command as a host install --------------------

@@ -67,7 +67,7 @@ IMAGE_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 # setuptools, [upload] about 25 MB more). The all-services volcengine-python-sdk (630 MB)
 # or a compiler toolchain would not fit.
 MAX_ADDED_MB = {"server": 100, "upload": 160}
-UPLOAD_DISTRIBUTIONS = {"boto3", "botocore", "s3transfer", "watchdog"}
+UPLOAD_DISTRIBUTIONS = {"boto3", "botocore", "s3transfer"}
 ACCESS_KEY = "AKLTimagetest0001"
 SECRET_KEY = "image-test-secret-key"
 INSTANCE = "i-image0001"
