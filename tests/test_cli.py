@@ -16,7 +16,7 @@ import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 from drill_support import start_drill
 
-from sidecar.cli import describe, format_duration
+from sidecar.cli.status_view import describe, format_duration
 from sidecar.models import Expiry
 from sidecar.timeparse import format_rfc3339
 

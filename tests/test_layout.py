@@ -105,12 +105,12 @@ def _where(found: Import) -> str:
 def test_the_tree_has_the_three_sides() -> None:
     for package in (
         "sidecar.train", "sidecar.checkpoint", "sidecar.host", "sidecar.tools",
-        "sidecar.integrations",
+        "sidecar.integrations", "sidecar.cli",
     ):
         assert package in MODULES, package
     flat = sorted(m for m in MODULES if m.count(".") == 1 and not _is_package(m))
-    # Beside the three groups only the shared modules and the entry point live at the top.
-    assert flat == ["sidecar.cli", "sidecar.models", "sidecar.slurmtext", "sidecar.timeparse"]
+    # Beside the groups (the entry point is the CLI package) only the shared modules.
+    assert flat == ["sidecar.models", "sidecar.slurmtext", "sidecar.timeparse"]
 
 
 def _is_package(module: str) -> bool:
@@ -190,9 +190,20 @@ def test_nothing_outside_the_host_side_imports_it() -> None:
         for i in IMPORTS
         if _in(i.target, "sidecar.host")
         and not _in(i.module, "sidecar.host", "sidecar.tools")
-        and not (i.module == "sidecar.cli" and not i.top_level)
+        and not (_in(i.module, "sidecar.cli") and not i.top_level)
     ]
     assert broken == []
+
+
+# A command-line view parses arguments and prints for a person: the CLI package's job
+# (issue 38, item 4). The training side is a library the job imports.
+def test_the_training_side_holds_no_command_line_views() -> None:
+    views = [_where(i) for i in IMPORTS
+             if _in(i.module, "sidecar.train", "sidecar.checkpoint") and i.target == "argparse"]
+    commands = [f"{module} defines {name}"
+                for module, path in MODULES.items() if _in(module, "sidecar.train")
+                for name, _ in _names(path) if name.startswith("cmd_")]
+    assert views == [] and commands == []
 
 
 def test_host_side_never_imports_tools_integrations_or_the_cli() -> None:
@@ -222,7 +233,7 @@ def test_inside_the_host_side_data_flows_one_way() -> None:
 
 
 def test_only_the_wiring_picks_sources_and_builds_the_uploader() -> None:
-    wiring = {"sidecar.host.daemon", "sidecar.host.settings", "sidecar.cli"}
+    wiring = {"sidecar.host.daemon", "sidecar.host.settings"}
     broken = [
         _where(i)
         for i in IMPORTS
@@ -394,8 +405,9 @@ def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], cycle: list[s
 
 
 def test_the_import_reader_sees_lazy_imports() -> None:
-    # sidecar.cli imports the daemon inside a function: the reader must see it as lazy.
-    lazy = [i for i in IMPORTS if i.module == "sidecar.cli" and i.target == "sidecar.host.daemon"]
+    # `esi-sidecar serve` imports the daemon inside a function: the reader must see it as lazy.
+    lazy = [i for i in IMPORTS
+            if i.module == "sidecar.cli.commands" and i.target == "sidecar.host.daemon"]
     assert lazy and not any(i.top_level for i in lazy)
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 from sidecar.checkpoint.manifest import MANIFEST_NAME
 from sidecar.timeparse import TimestampError, format_rfc3339, parse_timestamp
-from sidecar.train.drill_cli import drill_request
+from sidecar.train.daemon_request import daemon_request
 from sidecar.train.reclaim_cost import lost_seconds, state_of_manifest
 
 __all__ = ["close_release_account"]
@@ -51,7 +51,7 @@ def close_release_account(folder: Path, released_at: str, urls: Sequence[str],
 
 
 def _post(url: str, account: dict[str, object], timeout: float) -> None:
-    status, body = drill_request(url, "POST", account, timeout=timeout, path="/v1/reclaims")
+    status, body = daemon_request(url, "POST", account, timeout=timeout, path="/v1/reclaims")
     if status is None:
         print(f"esi-sidecar restore: {url}: no daemon to record the account on ({body}); "
               "the checkpoint is restored", file=sys.stderr)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.train.drill_cli import EXIT_NO_ANSWER, progress_line, unreachable_reason
+from sidecar.cli.drill import EXIT_NO_ANSWER, progress_line
+from sidecar.train.daemon_request import unreachable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 

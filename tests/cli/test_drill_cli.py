@@ -15,8 +15,8 @@ from typing import Any
 
 from daemon_harness import get_json, serve_daemon, wait_for
 
+from sidecar.cli.drill import EXIT_FAIL, EXIT_PASS, describe_drill, exit_code
 from sidecar.train.client import ENV_TOKEN
-from sidecar.train.drill_cli import EXIT_FAIL, EXIT_PASS, describe_drill, exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.train.status_view import SayOnce, describe_sources
+from sidecar.cli.status_view import SayOnce, describe_sources
 
 VOLC = ("no Volcengine credentials: set VOLCENGINE_ACCESS_KEY and VOLCENGINE_SECRET_KEY "
         "(plus VOLCENGINE_SESSION_TOKEN for STS credentials), or attach an IAM role to this "

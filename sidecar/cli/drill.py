@@ -11,66 +11,21 @@ unreachable. ``--wait`` prints where the drill stands every PROGRESS_SECONDS.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Optional
 
-from sidecar.train.client import ENV_TOKEN, SidecarClient
+from sidecar.train.client import SidecarClient
+from sidecar.train.daemon_request import daemon_request
 
 __all__ = ["EXIT_FAIL", "EXIT_NO_ANSWER", "EXIT_PASS", "EXIT_REFUSED", "EXIT_UNREACHABLE",
-           "cmd_drill", "describe_drill", "drill_request", "exit_code", "late_seconds",
-           "progress_line", "unreachable_reason"]
+           "cmd_drill", "describe_drill", "exit_code", "late_seconds", "progress_line"]
 
 EXIT_PASS, EXIT_FAIL, EXIT_REFUSED, EXIT_NO_ANSWER, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
 POLL_SECONDS = 0.5
 PROGRESS_SECONDS = 10.0  # --wait says where the drill stands this often
 WAIT_SLACK_SECONDS = 30.0  # beyond the drill deadline + the daemon's grace
-
-
-def drill_request(url: str, method: str, body: Optional[dict[str, Any]] = None,
-                  timeout: float = 5.0, path: str = "/v1/drill") -> tuple[Optional[int], Any]:
-    """(HTTP status, JSON body) of ``method path`` (``/v1/drill`` unless told) on ``url``;
-    (None, why) when the daemon cannot be reached. Sends ``$ESI_SIDECAR_TOKEN`` as the
-    client does."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    token = os.environ.get(ENV_TOKEN, "").strip()
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read(1 << 20))
-    except urllib.error.HTTPError as exc:
-        with exc:
-            try:
-                return exc.code, json.loads(exc.read(1 << 16))
-            except ValueError:
-                return exc.code, {"error": f"HTTP {exc.code}"}
-    except (OSError, ValueError) as exc:
-        return None, unreachable_reason(exc, timeout)
-
-
-def unreachable_reason(exc: BaseException, timeout: float) -> str:
-    """Why a daemon could not be asked, in a few words: ``connection refused``, ``no
-    answer within 5 s``, the resolver's or the socket's own message; never a repr."""
-    reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if isinstance(reason, (TimeoutError, socket.timeout)):
-        return f"no answer within {timeout:g} s"
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection refused (is `esi-sidecar serve` running?)"
-    if isinstance(reason, OSError) and reason.strerror:
-        return reason.strerror[:1].lower() + reason.strerror[1:]
-    if isinstance(exc, ValueError) and not isinstance(exc, urllib.error.URLError):
-        return f"not a JSON answer ({exc})"[:200]
-    return str(reason)[:200] or type(exc).__name__
 
 
 def _seconds(value: Any) -> str:
@@ -133,7 +88,7 @@ def exit_code(drill: dict[str, Any]) -> int:
 
 
 def _start(url: str, lead: Optional[float], timeout: float) -> tuple[int, Optional[dict]]:
-    status, body = drill_request(url, "POST", {} if lead is None else {"in_seconds": lead},
+    status, body = daemon_request(url, "POST", {} if lead is None else {"in_seconds": lead},
                                  timeout)
     if status is None:
         print(f"esi-sidecar drill: {url}: cannot reach the daemon: {body}", file=sys.stderr)
@@ -168,7 +123,7 @@ def _wait(url: str, started: dict[str, Any], timeout: float) -> int:
     give_up = verdict_by + WAIT_SLACK_SECONDS
     said_at = time.monotonic()
     while True:
-        status, body = drill_request(url, "GET", timeout=timeout)
+        status, body = daemon_request(url, "GET", timeout=timeout)
         mine = None
         if status == 200 and isinstance(body, dict):
             mine = next((d for d in body.get("drills", ()) if d.get("id") == started["id"]),

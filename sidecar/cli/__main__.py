@@ -1,0 +1,7 @@
+"""``python -m sidecar.cli``: the ``esi-sidecar`` command."""
+
+import sys
+
+from sidecar.cli import main
+
+sys.exit(main())
