@@ -326,6 +326,25 @@ def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
                                                if i.target == UPLOAD_PLAN}
 
 
+# The upload package's doors (issue 38, item 2): the wiring builds the uploader and the
+# follower, the restore command runs ``fetch``, the settings check a URL (``location``).
+# Everything else in upload/ (the stream, the stages, the idle work) is the package's own.
+UPLOAD_PUBLIC = {f"sidecar.host.upload.{name}" for name in (
+    "plan", "location", "storage", "uploader", "follower", "follow_sources", "fetch",
+    "volume", "volume_section",
+)}
+SETTINGS_FROM_UPLOAD = {"sidecar.host.upload.location"}  # standard library only
+
+
+def test_nothing_outside_the_upload_package_imports_its_internals() -> None:
+    outside = [i for i in IMPORTS if _in(i.target, "sidecar.host.upload")
+               and not _in(i.module, "sidecar.host.upload")]
+    internal = [_where(i) for i in outside if i.target not in UPLOAD_PUBLIC]
+    settings = [_where(i) for i in outside
+                if i.module == "sidecar.host.settings" and i.target not in SETTINGS_FROM_UPLOAD]
+    assert internal == [] and settings == []
+
+
 def test_no_module_imports_another_modules_private_name() -> None:
     broken = [
         f"{_where(i)} ({name})"

@@ -16,13 +16,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Optional, cast
+from typing import ClassVar, Optional, Protocol, cast
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from sidecar.host.api import create_app
+from sidecar.host.api import UploadsView, create_app
 from sidecar.host.approve import Approvable, Approver
 from sidecar.host.connections import (
     MAX_CONNECTIONS,
@@ -54,7 +54,9 @@ from sidecar.host.statefile import StateFile
 from sidecar.host.store import NO_SOURCE_RUNS, Store
 from sidecar.host.store_section import StoreSection
 
-__all__ = ["Daemon", "bind_sockets", "build_daemon", "build_sources", "run"]
+__all__ = [
+    "Background", "Daemon", "UploaderLike", "bind_sockets", "build_daemon", "build_sources", "run",
+]
 
 log = logging.getLogger("sidecar.host.daemon")
 
@@ -67,6 +69,36 @@ APPROVE_INTERVAL_SECONDS = 1.0
 PROTECTION_CHECK_SECONDS = 5.0  # how soon a changed protection verdict is logged
 
 
+class Background(Protocol):
+    """A thread the daemon starts after its sources and stops within its shutdown budget
+    (the uploader, the follower)."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 2.0) -> None: ...
+
+
+class DurableRecord(Protocol):
+    @property
+    def appeared_after_unix(self) -> Optional[float]:
+        """When the daemon's scans saw the checkpoint appear (what approval compares)."""
+        ...
+
+
+class UploadsLike(UploadsView, Protocol):
+    """What the API, the protection board and approval read of the uploads."""
+
+    def last_durable(self) -> Optional[DurableRecord]: ...
+
+
+class UploaderLike(Background, Protocol):
+    """What the daemon needs of the checkpoint uploader (``upload.uploader.Uploader``): a
+    protocol, so the daemon loads the upload package only when upload is configured."""
+
+    @property
+    def tracker(self) -> UploadsLike: ...
+
+
 @dataclass
 class Daemon:
     settings: Settings
@@ -74,11 +106,11 @@ class Daemon:
     poller: Poller
     app: FastAPI
     connections: ConnectionGuard
-    uploader: Optional[Any] = None  # sidecar.host.upload.uploader.Uploader when configured
+    uploader: Optional[UploaderLike] = None  # when configured (--upload-to)
     approver: Optional[Approver] = None  # --azure-approve
     events: Optional[EventHistory] = None  # what the jobs said (GET /v1/events)
     state: Optional[StateFile] = None  # --state-file: what survives a restart
-    follower: Optional[Any] = None  # upload.follower.Follower: the checkpoint waits for the job
+    follower: Optional[Background] = None  # upload.follower.Follower: waits for the job
 
 
 def build_sources(settings: Settings) -> list[Source]:
@@ -181,7 +213,7 @@ def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
     return expiry.source, expiry.expires_at_unix
 
 
-def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Any:
+def _build_uploader(settings: Settings, store: Store, state: StateFile) -> UploaderLike:
     """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
     a daemon without upload settings never loads boto3."""
     try:
@@ -215,7 +247,7 @@ def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Any:
     return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
 
 
-def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Any:
+def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Optional[Background]:
     """The follower (issue 40, item 2), unless --prefetch false."""
     if not settings.upload_prefetch or settings.upload_from is None:
         return None
@@ -233,18 +265,22 @@ def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Any:
                                                                b.finished_unix))
 
 
-def _build_approver(sources: list[Source], uploader: Any) -> Approver:
+def _build_approver(sources: list[Source], uploader: Optional[UploaderLike]) -> Approver:
     def approvable() -> list[Approvable]:
         running: list[object] = [s.source if isinstance(s, ProbedSource) else s
                                  for s in sources]
         return [s for s in running if isinstance(s, Approvable) and s.approve_enabled]
 
+    if uploader is None:
+        return Approver(approvable, None)
+    tracker = uploader.tracker
+
     def durable_appeared_after() -> Optional[float]:
         # When the daemon saw it appear, not the manifest's created_at (issue 22, item 5).
-        record = uploader.tracker.last_durable()
+        record = tracker.last_durable()
         return None if record is None else record.appeared_after_unix
 
-    return Approver(approvable, durable_appeared_after if uploader is not None else None)
+    return Approver(approvable, durable_appeared_after)
 
 
 async def _approve(approver: Approver) -> None:

@@ -20,7 +20,10 @@ Modules, one job each:
 - ``status``: what ``GET /v1/uploads`` and ``/metrics`` show (standard library only);
 - ``inotify``: one inotify instance and its reader thread, for every watch (Linux);
 - ``watch``: the checkpoint folder watched, polling as the fallback;
-- ``uploader``: the daemon's thread: order, retries, pins, yielding near the release;
+- ``destination``: what a destination (S3 / TOS, a volume) does for the uploader;
+- ``uploader``: the daemon's thread, the commit loop: order, retries, pins, yielding near
+  the release;
+- ``idle``: its work while no commit waits (streaming, S3 references, the link probe);
 - ``restore``: the ``esi-sidecar restore`` command's work.
 
 This file imports nothing on purpose: the daemon imports the package only when upload is

@@ -3,9 +3,9 @@
 A cycle: scan the checkpoint root (``list_checkpoints``: manifest present, sizes match),
 pick the newest checkpoint not yet durable, commit it at the destination (the files
 sent while it was saved checked, the others sent: ``commit_check.complete``, manifest
-last), repeat; with nothing to commit, send one finished file of a save in progress
-(``stream``), else copy into a durable S3 checkpoint the unchanged files it still reads
-from an older folder (``s3_refs``), else probe the link when due (``probe``); sleep until
+last), repeat; with nothing to commit, one piece of idle work (``idle``: send one
+finished file of a save in progress, else copy into a durable S3 checkpoint the unchanged
+files it still reads from an older folder, else probe the link when due); sleep until
 the folder changes (inotify) or the next rescan.
 
 - Newest first. A newer checkpoint goes before older pending ones, and once a checkpoint
@@ -40,10 +40,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
 from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER, Invalid
@@ -53,66 +52,20 @@ from sidecar.host.settings import (
     DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
 )
 from sidecar.host.upload import plan
-from sidecar.host.upload.commit_check import DurableFile, Staging, reuse
+from sidecar.host.upload.commit_check import DurableFile
+from sidecar.host.upload.destination import Destination
+from sidecar.host.upload.idle import IdleWork
 from sidecar.host.upload.jobfiles import Pin, Refused, clear_stale_pin, pin, read_job_file, unpin
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.probe import LinkProbe
 from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage import StorageConfig, make_client
-from sidecar.host.upload.stream import (
-    DEFAULT_SETTLE_SECONDS,
-    SaveInProgress,
-    StreamWatcher,
-    folder_id,
-)
+from sidecar.host.upload.stream import DEFAULT_SETTLE_SECONDS, SaveInProgress
 from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
 
 __all__ = ["MARKER_NAME", "Destination", "Uploader", "UploaderConfig"]
-
-
-class Destination(Protocol):
-    """Where complete checkpoints go: S3 / TOS (``transfer.S3Destination``) or a mounted
-    volume (``volume.VolumeDestination``). Each keeps the manifest-last guarantee."""
-
-    @property
-    def url(self) -> str: ...
-
-    @property
-    def endpoint(self) -> Optional[str]: ...
-
-    @property
-    def where(self) -> str: ...
-
-    def prepare(self, started_at_unix: float) -> None: ...
-
-    def remote_manifest(self, name: str) -> Optional[bytes]: ...
-
-    def upload(self, info: CheckpointInfo, manifest: bytes, *,
-               on_progress: Callable[[int], None], should_stop: Callable[[], Optional[str]],
-               before_manifest: Callable[[], None], staging: Optional[Staging] = None,
-               durable: Mapping[str, DurableFile] = ...) -> None: ...
-
-    def describe_error(self, exc: BaseException, doing: str) -> str: ...
-
-    def reset(self) -> None: ...
-
-    def open_staging(self, name: str) -> Staging:
-        """Where ``name``'s files go before its manifest lands (nothing visible)."""
-        ...
-
-    def durable_files(self, name: str) -> dict[str, DurableFile]:
-        """The files of the durable checkpoint ``name`` with a known sha256."""
-        ...
-
-    def probe(self, amount: int, should_stop: Callable[[], Optional[str]]) -> None:
-        """Send ``amount`` bytes where nothing reads them (``probe.LinkProbe``)."""
-        ...
-
-    def make_self_contained(self, name: str, should_stop: Callable[[], Optional[str]]) -> int:
-        """Bring into ``name``'s folder the files it refers to elsewhere (``s3_refs``)."""
-        ...
 
 log = logging.getLogger("sidecar.host.upload")
 
@@ -123,7 +76,6 @@ _MARKER_TEXT = "esi-sidecar uploader"  # first words of markers this uploader wr
 _GONE = "the local checkpoint is gone"
 _INVALID = "not valid: "  # then why: considered again when it is valid again
 _REFUSED = "not durable: "  # then which job file was refused: again once saved again
-_WARNED_KEPT = 64  # failures remembered (said once each); a job makes as many as it likes
 
 
 @dataclass(frozen=True)
@@ -175,31 +127,25 @@ class Uploader:
         )
         self._remaining = remaining_seconds
         self._clock = clock
-        self._probe = LinkProbe(self.destination, self.tracker,
-                                remaining_seconds=remaining_seconds,
-                                near_release_seconds=config.near_release_seconds,
-                                ) if config.probe else None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._watch = FolderWatch(config.root, self.wake)
-        self._stream = StreamWatcher(config.root, settle_seconds=config.settle_seconds,
-                                     on_change=self.wake,
-                                     watch=self._watch) if config.stream else None
-        # The newest checkpoint this uploader made durable: its files, which an unchanged
-        # file of the next one reuses (issue 23, item 2).
-        self._durable: dict[str, DurableFile] = {}
-        # Durable checkpoints whose unchanged files are still kept in an older folder:
-        # made self-contained while idle (``s3_refs.materialize``).
-        self._referring: list[str] = []
-        self._durable_name: Optional[str] = None  # whose files self._durable holds
+        probe = LinkProbe(self.destination, self.tracker, remaining_seconds=remaining_seconds,
+                          near_release_seconds=config.near_release_seconds,
+                          ) if config.probe else None
+        # Streaming, references, the probe: done while no commit waits (``idle``).
+        self._idle = IdleWork(
+            config.root, self.destination, self.tracker, stop=self._stop, wake=self._wake,
+            watch=self._watch, failed=self._failed, clock=clock,
+            scan_interval_seconds=config.scan_interval_seconds,
+            settle_seconds=config.settle_seconds, stream=config.stream, probe=probe)
         self._started_at = clock()
         self._prepared = False
         self._storage_retry_at = 0.0
         self._failures_in_a_row = 0
         self._last_failure: Optional[str] = None
         self._refused: dict[str, str] = {}  # committed checkpoints no longer valid: why
-        self._warned: dict[str, str] = {}  # what failed in a scan, and why: said once
         self._last_scan = 0.0  # time.monotonic() of the last scan
         self._last_scan_at: Optional[float] = None  # the same on self._clock, once done
 
@@ -229,9 +175,7 @@ class Uploader:
             if self._thread.is_alive():
                 log.warning("the upload thread did not stop within %.0f s", timeout)
                 return
-        if self._stream is not None:  # staged files of saves never committed: not kept
-            for save in self._stream.stop():
-                self._discard(save)
+        self._idle.close()  # staged files of saves never committed: not kept
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -272,89 +216,12 @@ class Uploader:
                 self._failed(None, self.destination.describe_error(exc, "preparing"))
                 return 0.0
             self._prepared = True
-        if self._stream is not None:
-            for save in self._scan_saves():
-                log.info("the save of %s is no longer followed (%s); its %d staged file(s) "
-                         "are discarded", save.name, save.dropped,
-                         len(save.staging.files) if save.staging else 0)
-                self._discard(save)
+        self._idle.scan_saves()
         record = self._next()
         if record is None:
-            if self._stream_once():
-                return 0.0
-            if self._referring:
-                self._self_contain(self._referring[-1])
-                return 0.0
-            if self._probe is not None:
-                self._probe.run_if_due(self._idle_work_should_stop)
-            return self._idle_seconds()
+            return self._idle.run()
         self._attempt(record)
         return 0.0
-
-    def _scan_saves(self) -> list[SaveInProgress]:
-        """The stream's scan, which must not stop committed checkpoints from going up:
-        should it fail, saves in progress wait for their commit (logged once per cause)."""
-        assert self._stream is not None
-        try:
-            return self._stream.scan()
-        except Exception as exc:
-            self._once("saves in progress", f"saves in progress are not sent early for now "
-                       f"(they go up once committed): looking at them failed: {exc!r}")
-            return []
-
-    def _once(self, what: str, message: str) -> None:
-        """One warning per ``what`` and message (the same again at debug level)."""
-        level = logging.DEBUG if self._warned.get(what) == message else logging.WARNING
-        if level == logging.WARNING:
-            self._warned[what] = message
-            while len(self._warned) > _WARNED_KEPT:
-                self._warned.pop(next(iter(self._warned)))
-        log.log(level, "%s", printable(message))
-
-    def _self_contain(self, name: str) -> None:
-        """Copy server-side what ``name`` refers to; it gives way as all idle work does."""
-        try:
-            copied = self.destination.make_self_contained(name, self._idle_work_should_stop)
-        except Cancelled:
-            return  # again once idle
-        except Exception as exc:
-            log.warning("%s still reads unchanged files from an older folder, which must "
-                        "stay: %s", name, self.destination.describe_error(
-                            exc, f"copying {name}'s unchanged files into its folder"))
-        else:
-            if copied:
-                log.info("%s is self-contained: %d unchanged file(s) copied into its folder "
-                         "on the server side", name, copied)
-            if name == self._durable_name:  # every file is in its own folder now
-                self._durable = {path: DurableFile(name, entry.size, entry.sha256)
-                                 for path, entry in self._durable.items()}
-        self._referring.remove(name)
-
-    def _note_references(self, name: str) -> None:
-        self._durable_name = name
-        if any(entry.checkpoint != name for entry in self._durable.values()):
-            self._referring = [other for other in self._referring if other != name] + [name]
-
-    def _idle_work_should_stop(self) -> Optional[str]:
-        """Idle work (a probe, a server-side copy of unchanged files) gives way to anything
-        the folder does (a checkpoint saved, a save begun): the upload thread must not be
-        busy with it when there is a file to send."""
-        if self._stop.is_set():
-            return "stopping"
-        return "the checkpoint folder changed" if self._wake.is_set() else None
-
-    def _idle_seconds(self) -> float:
-        now = self._clock()
-        waits = [self.config.scan_interval_seconds]
-        for record in self.tracker.records():
-            if record.state == "failed" and record.retry_at_unix is not None:
-                waits.append(max(0.0, record.retry_at_unix - now))
-        if self._stream is not None and self._stream.waiting():
-            waits.append(self.config.settle_seconds / 4)  # files may settle meanwhile
-        probe_in = None if self._probe is None else self._probe.due_in()
-        if probe_in is not None:
-            waits.append(probe_in)
-        return max(0.01, min(waits))
 
     # ------------------------------------------------------------------ scanning
 
@@ -451,9 +318,7 @@ class Uploader:
         info = next((i for i in self._local() if i.name == record.name), None)
         if info is None:
             return  # no longer complete (being replaced): the next scan decides
-        ident = folder_id(folder)
-        save = (self._stream.take(ident, record.name)
-                if self._stream is not None and ident is not None else None)
+        save = self._idle.take(folder, record.name)
         streamed = save.sent_bytes if save is not None else 0
         self.tracker.update(
             record.name, state="uploading", attempts=record.attempts + 1,
@@ -469,23 +334,21 @@ class Uploader:
             self.tracker.storage_ok()
             if remote == raw:
                 if save is not None:
-                    self._discard(save)
+                    self._idle.discard(save)
                 self.tracker.record_done(record.name, duration=None,
                                          note="already complete in storage")
                 log.info("%s is already complete in %s", record.name, self.destination.url)
-                self._durable = self.destination.durable_files(record.name)
-                self._note_references(record.name)
+                self._idle.made_durable(record.name,
+                                        self.destination.durable_files(record.name))
                 self._succeeded()
             else:
                 sent = self._upload(record, info, raw, folder, inode, save)
-                self._note_references(record.name)
                 duration = time.monotonic() - started
                 self.tracker.record_done(
                     record.name, duration=duration, note=None, sent_after_save=sent,
                     sent=streamed + sent,
                     send_seconds=(save.send_seconds if save else 0.0) + duration)
-                if self._probe is not None:
-                    self._probe.measured()
+                self._idle.measured()
                 log.info("uploaded %s (%d bytes, %d files; %d bytes sent after the save, %d "
                          "before) to %s in %.1f s after the save", record.name,
                          info.total_bytes, len(info.files), sent, streamed,
@@ -536,70 +399,12 @@ class Uploader:
             staging = self.destination.open_staging(record.name)
         self.destination.upload(
             info, raw, on_progress=progress, should_stop=lambda: self._should_yield(record),
-            before_manifest=unchanged, staging=staging, durable=self._durable,
+            before_manifest=unchanged, staging=staging, durable=self._idle.durable,
         )
-        self._durable = {staged.path: DurableFile(staged.stored_in or record.name, staged.size,
-                                                  staged.sha256)
-                         for staged in staging.files.values()}
+        self._idle.made_durable(record.name, {
+            staged.path: DurableFile(staged.stored_in or record.name, staged.size, staged.sha256)
+            for staged in staging.files.values()})
         return max(0, sent[0])
-
-    # ------------------------------------------------------------------ streaming
-
-    def _stream_once(self) -> bool:
-        """Send one finished file of a save in progress. True when there was one."""
-        if self._stream is None:
-            return False
-        found = self._stream.ready()
-        if found is None:
-            return False
-        save, relative, key = found
-        save.tried[relative] = key  # whatever happens, not again at this key
-        started = time.monotonic()
-        try:
-            if save.staging is None:
-                save.staging = self.destination.open_staging(save.name)
-            staged = reuse(save.staging, save.path, relative, key[1], None, self._durable)
-            if staged is None:
-                before = save.sent_bytes
-
-                def progress(count: int) -> None:
-                    save.sent_bytes += count
-                    self.tracker.add_progress(save.name, count)  # no record yet: the total
-
-                staged = save.staging.send(save.path, relative, on_progress=progress,
-                                           should_stop=lambda: self._stream_stop(save))
-                if staged is None:
-                    save.sent_bytes = before
-            if staged is not None and staged.key != key:
-                save.tried[relative] = staged.key
-        except Cancelled as exc:
-            save.tried.pop(relative, None)
-            log.info("stopped sending %s/%s early: %s", save.name, relative, exc)
-        except (Invalid, FileNotFoundError, NotADirectoryError) as exc:
-            log.debug("not sending %s/%s early: %s", save.name, relative, exc)
-        except Exception as exc:  # the destination: backed off as any upload failure
-            save.tried.pop(relative, None)
-            self._failed(None, self.destination.describe_error(
-                exc, f"sending {save.name}/{relative} early"))
-        save.send_seconds += time.monotonic() - started
-        return True
-
-    def _stream_stop(self, save: SaveInProgress) -> Optional[str]:
-        if self._stop.is_set():
-            return "the daemon is stopping"
-        if not save.path.exists() and folder_id(self.config.root / save.name) != save.folder:
-            return "the save's folder is gone"
-        return None
-
-    def _discard(self, save: SaveInProgress) -> None:
-        if save.staging is None:
-            return
-        try:
-            save.staging.discard()
-        except Exception as exc:
-            log.warning("could not discard the staged files of %s: %s", save.name,
-                        self.destination.describe_error(exc, "discarding"))
-        save.staging = None
 
     def _should_yield(self, current: UploadRecord) -> Optional[str]:
         """Checked while transfers run: a reason to stop this upload, or None."""
