@@ -1,4 +1,6 @@
-"""Crash-safe writes: the project's one home for fsync, atomic replace and synced trees.
+"""Crash-safe writes: the project's one home for fsync, durable renames, atomic replace and
+synced trees (every ``os.fsync`` in ``sidecar/`` is here: ``fsync_fd``, ``fsync_path``,
+``rename_durably``).
 
 Used by everything that writes state that must survive a crash or a kill: the checkpoint
 commit, restore, the daemon's state file and the Lightning callback (ARCHITECTURE.md,
@@ -17,7 +19,9 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 __all__ = [
+    "fsync_fd",
     "fsync_path",
+    "rename_durably",
     "replace_atomically",
     "sync_file",
     "sync_tree",
@@ -33,7 +37,8 @@ _SYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, er
 StrPath = Union[str, "os.PathLike[str]"]
 
 
-def _fsync_fd(fd: int) -> None:
+def fsync_fd(fd: int) -> None:
+    """fsync an open file or folder (errors of file systems that cannot sync tolerated)."""
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -45,9 +50,43 @@ def fsync_path(path: StrPath) -> None:
     """fsync a file, or a folder's entries (new names, renames)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        _fsync_fd(fd)
+        fsync_fd(fd)
     finally:
         os.close(fd)
+
+
+def _no_hook() -> None:
+    pass
+
+
+def rename_durably(
+    src: StrPath,
+    dst: StrPath,
+    *,
+    src_dir_fd: Optional[int] = None,
+    dst_dir_fd: Optional[int] = None,
+    rename: Callable[..., None] = os.rename,
+    undo: Callable[[], None] = _no_hook,
+    after_rename: Callable[[], None] = _no_hook,
+) -> None:
+    """The project's durable rename: ``src`` renamed to ``dst``, then ``dst``'s folder
+    fsynced (``dst_dir_fd`` when given: the names are then relative to the fds, as
+    ``os.rename`` takes them, and no path is opened again; else ``dst``'s parent).
+
+    ``rename`` is called as ``rename(src, dst, src_dir_fd=, dst_dir_fd=)`` (``os.replace``
+    to replace a file, a no-replace rename for a hostile folder); ``undo`` runs when the
+    rename fails, before the error goes on (a folder moved aside is moved back);
+    ``after_rename`` runs between the rename and the fsync (a crash point for tests)."""
+    try:
+        rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+    except BaseException:
+        undo()
+        raise
+    after_rename()
+    if dst_dir_fd is not None:
+        fsync_fd(dst_dir_fd)
+    else:
+        fsync_path(os.path.dirname(os.fspath(dst)) or ".")
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -55,21 +94,24 @@ def write_durably(path: Path, data: bytes) -> None:
     with open(path, "xb") as handle:
         handle.write(data)
         handle.flush()
-        _fsync_fd(handle.fileno())
+        fsync_fd(handle.fileno())
 
 
 def replace_atomically(path: Path, data: bytes, temp_name: str) -> None:
     """The project's crash-safe write: temp file in the same folder, fsync, os.replace,
     fsync the folder. ``temp_name`` is chosen by the caller so leftovers are recognisable."""
     temp = path.with_name(temp_name)
-    try:
-        write_durably(temp, data)
-        os.replace(temp, path)
-    except BaseException:
+
+    def remove_temp() -> None:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
+
+    try:
+        write_durably(temp, data)
+    except BaseException:
+        remove_temp()
         raise
-    fsync_path(path.parent)
+    rename_durably(temp, path, rename=os.replace, undo=remove_temp)
 
 
 def sync_file(path: Path, *, checksum: bool = False) -> tuple[int, Optional[str]]:
@@ -86,7 +128,7 @@ def sync_file(path: Path, *, checksum: bool = False) -> tuple[int, Optional[str]
                     break
                 hasher.update(view[:count])
             digest = hasher.hexdigest()
-        _fsync_fd(handle.fileno())
+        fsync_fd(handle.fileno())
         return os.fstat(handle.fileno()).st_size, digest
 
 

@@ -27,7 +27,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from sidecar.checkpoint.durable import fsync_path, replace_atomically, write_durably
+from sidecar.checkpoint.durable import (
+    fsync_path,
+    rename_durably,
+    replace_atomically,
+    write_durably,
+)
 from sidecar.checkpoint.leftovers import (
     FOREIGN_LEFTOVER_AFTER_SECONDS,
     clean_leftovers,
@@ -504,14 +509,12 @@ class atomic_checkpoint:
             aside = self.root / f".old-{self.name}.{self._tag}.{self._token}"
             os.rename(self.path, aside)
             _phase("old-moved-aside")
-        try:
-            os.rename(temp, self.path)
-        except BaseException:  # an interrupt too: never leave neither name in place
+
+        def put_back() -> None:  # an interrupt too: never leave neither name in place
             if aside is not None:
                 os.rename(aside, self.path)
-            raise
-        _phase("renamed")
-        fsync_path(self.root)
+
+        rename_durably(temp, self.path, undo=put_back, after_rename=lambda: _phase("renamed"))
         _phase("parent-synced")
         if aside is not None:
             try:

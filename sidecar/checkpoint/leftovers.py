@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from sidecar.checkpoint.durable import fsync_path
+from sidecar.checkpoint.durable import rename_durably
 from sidecar.checkpoint.manifest import PathLike
 
 __all__ = [
@@ -153,8 +153,7 @@ def clean_leftovers(
                 continue
             final = base / match["name"]
             if match["kind"] == "old" and not os.path.lexists(final):
-                os.rename(path, final)
-                fsync_path(base)
+                rename_durably(path, final)
                 _log.warning("restored %s: the save that was replacing it was killed", final)
                 handled.append(final)
                 continue

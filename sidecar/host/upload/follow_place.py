@@ -34,10 +34,11 @@ import stat
 from pathlib import Path
 from typing import Optional
 
+from sidecar.checkpoint.durable import fsync_fd, rename_durably
 from sidecar.checkpoint.manifest import FileEntry, Invalid, open_under
 
 __all__ = ["DELETING", "PRIVATE", "Private", "clean_own", "hand_over", "is_own_name",
-           "link_unchanged", "open_folder", "open_target", "place_latest",
+           "link_unchanged", "no_replace", "open_folder", "open_target", "place_latest",
            "rename_no_replace", "retire"]
 
 PRIVATE = ".tmp-follow."  # the follower's building folders
@@ -92,6 +93,11 @@ def rename_no_replace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
         os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
         return
     raise FileExistsError(errno.EEXIST, "exists", dst)
+
+
+def no_replace(src: str, dst: str, *, src_dir_fd: int, dst_dir_fd: int) -> None:
+    """:func:`rename_no_replace` called as ``os.rename`` is (``durable.rename_durably``)."""
+    rename_no_replace(src_dir_fd, src, dst_dir_fd, dst)
 
 
 class Private:
@@ -183,7 +189,7 @@ def hand_over(folder: Path, uid: int, gid: int, *, file_mode: int = 0o444) -> No
         try:
             _give(handle, uid, gid)
             os.fchmod(handle, 0o755)
-            os.fsync(handle)
+            fsync_fd(handle)
         finally:
             os.close(handle)
 
@@ -195,13 +201,14 @@ def place_latest(private: Private, root_fd: int, name: str, uid: int, gid: int,
     handle = os.open("latest", _NEW_FILE, 0o644, dir_fd=private.fd)
     try:
         os.write(handle, f"{name}\n".encode())
-        os.fsync(handle)
+        fsync_fd(handle)
         _give(handle, uid, gid)
         made = os.fstat(handle).st_ino
     finally:
         os.close(handle)
     try:
-        rename_no_replace(private.fd, "latest", root_fd, "latest")
+        rename_durably("latest", "latest", src_dir_fd=private.fd, dst_dir_fd=root_fd,
+                       rename=no_replace)
     except FileExistsError:
         try:
             there = os.lstat("latest", dir_fd=root_fd).st_ino
@@ -209,8 +216,8 @@ def place_latest(private: Private, root_fd: int, name: str, uid: int, gid: int,
             there = None
         if ours is None or there != ours:
             return None  # the job's pointer: left alone
-        os.replace("latest", "latest", src_dir_fd=private.fd, dst_dir_fd=root_fd)
-    os.fsync(root_fd)
+        rename_durably("latest", "latest", src_dir_fd=private.fd, dst_dir_fd=root_fd,
+                       rename=os.replace)
     return made
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sidecar.checkpoint.durable import rename_durably
 from sidecar.checkpoint.folders import list_checkpoints
 from sidecar.checkpoint.manifest import FileEntry, Invalid, read_manifest
 from sidecar.host.logs import printable
@@ -39,9 +40,9 @@ from sidecar.host.upload.follow_place import (
     hand_over,
     is_own_name,
     link_unchanged,
+    no_replace,
     open_folder,
     place_latest,
-    rename_no_replace,
     retire,
 )
 from sidecar.host.upload.follow_sources import Durable, FollowSource
@@ -266,8 +267,8 @@ class Follower:
             why = "the daemon is stopping" if self._stop.is_set() else self._job_writes()
             if why is not None:
                 raise Cancelled(why)
-            rename_no_replace(private.fd, found.name, root_fd, found.name)
-            os.fsync(root_fd)
+            rename_durably(found.name, found.name, src_dir_fd=private.fd, dst_dir_fd=root_fd,
+                           rename=no_replace)
             inode = os.lstat(found.name, dir_fd=root_fd).st_ino
             self._made[found.name] = inode
             try:

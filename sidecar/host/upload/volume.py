@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from sidecar.checkpoint.durable import fsync_fd, rename_durably
 from sidecar.checkpoint.folders import LATEST_NAME, latest_valid, list_checkpoints, validate
 from sidecar.checkpoint.leftovers import clean_leftovers
 from sidecar.checkpoint.manifest import (
@@ -40,9 +41,9 @@ from sidecar.host.upload.commit_check import DurableFile, StagingDestination, du
 from sidecar.host.upload.follow_place import (
     Private,
     hand_over,
+    no_replace,
     open_target,
     place_latest,
-    rename_no_replace,
 )
 from sidecar.host.upload.identity import NotTheVolume, VolumeIdentity, unmounted_reason
 from sidecar.host.upload.verified_copy import FolderSource, copy_verified
@@ -217,8 +218,8 @@ def commit_into(root: Path, name: str, manifest: bytes,
             built = commit_folder(private.path, name, manifest, fill)
             info = validate(built)
             hand_over(built, owner.st_uid, owner.st_gid, file_mode=0o644)
-            rename_no_replace(private.fd, name, root_fd, name)
-            os.fsync(root_fd)
+            rename_durably(name, name, src_dir_fd=private.fd, dst_dir_fd=root_fd,
+                           rename=no_replace)
             point_latest(private, root_fd, root, name, owner.st_uid, owner.st_gid)
         finally:
             private.discard()
@@ -332,7 +333,7 @@ class VolumeDestination(StagingDestination):
                     throttle(len(piece))
                     os.write(handle, piece)
                     left -= len(piece)
-                os.fsync(handle)
+                fsync_fd(handle)
             finally:
                 os.close(handle)
         finally:

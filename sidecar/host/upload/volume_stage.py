@@ -29,7 +29,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from sidecar.checkpoint.durable import fsync_path, sync_tree, write_durably
+from sidecar.checkpoint.durable import (
+    fsync_fd,
+    fsync_path,
+    rename_durably,
+    sync_tree,
+    write_durably,
+)
 from sidecar.checkpoint.leftovers import writer_tag
 from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo
 from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, stat_key
@@ -119,13 +125,12 @@ def seal_folder(root: Path, name: str, temp: Path, manifest: bytes,
     if os.path.lexists(final):  # the same name saved again: the new one replaces it
         aside = root / f".old-{name}.{writer_tag()}.{token()}"
         os.rename(final, aside)
-    try:
-        os.rename(temp, final)
-    except BaseException:
+
+    def put_back() -> None:
         if aside is not None:
             os.rename(aside, final)
-        raise
-    fsync_path(root)
+
+    rename_durably(temp, final, undo=put_back)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)  # after the fsync: the new one is durable
     return final
@@ -237,7 +242,7 @@ class _NewFile:
         return self._fd
 
     def place(self) -> None:
-        os.fsync(self._fd)
+        fsync_fd(self._fd)
         _rename_onto(self.temp, self.target)
         self._placed = True
 
