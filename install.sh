@@ -32,8 +32,9 @@ What to install (default: the checkout this script sits in):
   --version X            install esi-sidecar[server]==X from the package index
   --prefix DIR           venv location (default /opt/esi-sidecar)
   --python PATH          interpreter for the venv, 3.9 or newer (default python3)
-  --upload               also the [upload] extra (boto3, watchdog) for the checkpoint
-                         uploader; on by itself when ESI_SIDECAR_UPLOAD_TO is set
+  --upload               also the [upload] extra (boto3) for the checkpoint uploader to
+                         s3://; on by itself when ESI_SIDECAR_UPLOAD_TO is an s3:// URL
+                         (a file:// volume needs no more than [server])
   --pip-args "ARGS"      extra arguments for pip install, e.g. "--index-url URL";
                          PIP_* variables work too
 
@@ -181,8 +182,8 @@ done
 if ((purge)) && ! ((uninstall)); then
 	usage_error "--purge goes with --uninstall"
 fi
-if [[ -n ${settings[ESI_SIDECAR_UPLOAD_TO]+x} ]]; then
-	extras=server,upload # an uploader is configured: it needs boto3 and watchdog
+if [[ ${settings[ESI_SIDECAR_UPLOAD_TO]-} == s3://* ]]; then
+	extras=server,upload # an uploader to S3 is configured: it needs boto3
 fi
 if [[ -n $wheel && -n $version ]]; then
 	usage_error "--wheel and --version exclude each other"
@@ -409,7 +410,7 @@ install_venv() {
 	fi
 	local imports='import fastapi, uvicorn, sidecar.host.daemon'
 	if [[ $extras == *upload* ]]; then
-		imports+=', boto3, watchdog, sidecar.host.upload.uploader'
+		imports+=', boto3, sidecar.host.upload.transfer'
 	fi
 	if ! "$venv/bin/python" -c "$imports" 2>"$work/import.err"; then
 		cat "$work/import.err" >&2

@@ -108,7 +108,8 @@ def _measure(file_mib: int, repeats: int) -> dict[str, Any]:
     from sidecar.checkpoint.manifest import MANIFEST_NAME
     from sidecar.host.upload.fetch import restore_newest
     from sidecar.host.upload.location import S3Location
-    from sidecar.host.upload.storage import StorageConfig, make_client
+    from sidecar.host.upload.storage import make_client
+    from sidecar.host.upload.storage_config import StorageConfig
     from sidecar.host.upload.transfer import S3Destination
     from sidecar.host.upload.volume import VolumeDestination
 

@@ -100,7 +100,8 @@ class _Destinations:
 
     def make(self, kind: str, root: Path, stream: bool) -> tuple[Any, Callable[[], None]]:
         from sidecar.host.upload.location import S3Location
-        from sidecar.host.upload.storage import StorageConfig, make_client
+        from sidecar.host.upload.storage import make_client
+        from sidecar.host.upload.storage_config import StorageConfig
         from sidecar.host.upload.uploader import Uploader, UploaderConfig
         from sidecar.host.upload.volume import VolumeDestination
 

@@ -78,7 +78,8 @@ def _measure(files_mb: tuple[int, ...], repeats: int) -> dict[str, Any]:
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     from sidecar.checkpoint.folders import atomic_checkpoint
     from sidecar.host.upload.location import S3Location
-    from sidecar.host.upload.storage import StorageConfig, make_client, transfer_config
+    from sidecar.host.upload.storage import make_client, transfer_config
+    from sidecar.host.upload.storage_config import StorageConfig
     from sidecar.host.upload.uploader import Uploader, UploaderConfig
 
     server, endpoint = _start_moto()

@@ -328,9 +328,10 @@ def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
 
 # The upload package's doors (issue 38, item 2): the wiring builds the uploader and the
 # follower, the restore command runs ``fetch``, the settings check a URL (``location``).
-# Everything else in upload/ (the stream, the stages, the idle work) is the package's own.
+# Everything else in upload/ (the stream, the stages, the idle work) is the package's own;
+# the S3 modules (boto3) among them: a volume's uploader never loads boto3 (issue 39, item 9).
 UPLOAD_PUBLIC = {f"sidecar.host.upload.{name}" for name in (
-    "plan", "location", "storage", "uploader", "follower", "follow_sources", "fetch",
+    "plan", "location", "storage_config", "uploader", "follower", "follow_sources", "fetch",
     "volume", "volume_section",
 )}
 SETTINGS_FROM_UPLOAD = {"sidecar.host.upload.location"}  # standard library only

@@ -215,18 +215,13 @@ def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
 
 def _build_uploader(settings: Settings, store: Store, state: StateFile) -> UploaderLike:
     """The checkpoint uploader (docs/upload.md). Imported here, only when configured, so
-    a daemon without upload settings never loads boto3."""
-    try:
-        from sidecar.host.upload.location import parse_destination
-        from sidecar.host.upload.storage import StorageConfig
-        from sidecar.host.upload.uploader import Uploader, UploaderConfig
-        from sidecar.host.upload.volume import VolumeDestination
-        from sidecar.host.upload.volume_section import VolumeSection
-    except ImportError as exc:  # a [server]-only install (or image) given upload settings
-        raise ConfigError(
-            f"--upload-to needs the [upload] extra ({exc.name or exc} is not installed): "
-            "pip install 'esi-sidecar[server,upload]', install.sh --upload, or the image "
-            "built with --build-arg UPLOAD=1") from None
+    a daemon without upload settings never loads the upload package, and only an s3://
+    destination loads boto3 (a volume's needs the [server] extra alone)."""
+    from sidecar.host.upload.location import parse_destination
+    from sidecar.host.upload.storage_config import StorageConfig
+    from sidecar.host.upload.uploader import Uploader, UploaderConfig
+    from sidecar.host.upload.volume import VolumeDestination
+    from sidecar.host.upload.volume_section import VolumeSection
 
     def remaining_seconds() -> Optional[float]:
         return store.expiry().remaining_seconds
@@ -241,10 +236,17 @@ def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Uploa
         near_release_seconds=settings.upload_near_release,
         scan_interval_seconds=settings.upload_scan_interval,
     )
-    volume = VolumeDestination(where, storage.max_bandwidth) if isinstance(where, Path) else None
-    if volume is not None:  # its identity survives a restart (issue 35, item 8)
-        state.add(VolumeSection(volume.identity, on_change=state.write))
-    return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
+    if isinstance(where, Path):
+        volume = VolumeDestination(where, storage.max_bandwidth)
+        state.add(VolumeSection(volume.identity, on_change=state.write))  # kept (issue 35)
+        return Uploader(config, remaining_seconds=remaining_seconds, destination=volume)
+    try:
+        return Uploader(config, remaining_seconds=remaining_seconds)  # S3: loads boto3
+    except ImportError as exc:  # a [server]-only install (or image) given s3://
+        raise ConfigError(
+            f"--upload-to s3:// needs the [upload] extra ({exc.name or exc} is not "
+            "installed): pip install 'esi-sidecar[server,upload]', install.sh --upload, or "
+            "the image built with --build-arg UPLOAD=1") from None
 
 
 def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Optional[Background]:
@@ -254,7 +256,7 @@ def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Optional[Bac
     from sidecar.host.upload.follow_sources import S3Source, VolumeSource
     from sidecar.host.upload.follower import Follower
     from sidecar.host.upload.location import parse_destination
-    from sidecar.host.upload.storage import StorageConfig
+    from sidecar.host.upload.storage_config import StorageConfig
 
     where = parse_destination(settings.upload_to or "")
     storage = StorageConfig(**storage_options(settings))

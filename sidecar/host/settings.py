@@ -341,7 +341,7 @@ GROUP_LISTENING = "listening and access"
 GROUP_SOURCES = "deadline sources"
 GROUP_POLLING = "polling"
 GROUP_STATE = "state and logging"
-GROUP_UPLOAD = "checkpoint upload (docs/upload.md; needs the [upload] extra)"
+GROUP_UPLOAD = "checkpoint upload (docs/upload.md; s3:// needs the [upload] extra)"
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -594,7 +594,7 @@ def _check_poll_interval(settings: Settings, origin: str, raw: str) -> None:
 
 
 def storage_options(settings: Settings) -> dict[str, Any]:
-    """The arguments of ``sidecar.host.upload.storage.StorageConfig``: for the daemon's
+    """The arguments of ``sidecar.host.upload.storage_config.StorageConfig``: for the daemon's
     wiring and for ``esi-sidecar restore``, so neither reads the upload settings itself."""
     return {
         "endpoint": settings.upload_endpoint,

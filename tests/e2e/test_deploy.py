@@ -303,7 +303,8 @@ def test_dry_run_changes_nothing_and_masks_secrets(staged: Staged, tmp_path: Pat
 
 
 def test_the_upload_extra_is_installed_on_request(tmp_path: Path) -> None:
-    """[server] alone by default; [server,upload] with --upload or an upload destination."""
+    """[server] alone by default and for a volume (file://, a plain path: no boto3, issue 39,
+    item 9); [server,upload] with --upload or an s3:// destination."""
     def pip_line(*args: str, **env: str) -> str:
         root = tmp_path / f"root{len(list(tmp_path.iterdir()))}"
         root.mkdir()
@@ -315,6 +316,8 @@ def test_the_upload_extra_is_installed_on_request(tmp_path: Path) -> None:
     assert pip_line("--upload").endswith("[server,upload]")
     assert pip_line("--set", "ESI_SIDECAR_UPLOAD_TO=s3://bucket/run").endswith("[server,upload]")
     assert pip_line(ESI_SIDECAR_UPLOAD_TO="s3://bucket/run").endswith("[server,upload]")
+    assert pip_line("--set", "ESI_SIDECAR_UPLOAD_TO=file:///mnt/vol/run").endswith("[server]")
+    assert pip_line(ESI_SIDECAR_UPLOAD_TO="/mnt/vol/run").endswith("[server]")
 
 
 def test_venv_only_installs_no_env_file_and_no_unit(tmp_path: Path) -> None:

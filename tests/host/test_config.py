@@ -239,7 +239,8 @@ def test_serve_help_lists_the_settings_by_topic() -> None:
                  if isinstance(action, argparse._SubParsersAction)).choices["serve"]
     headings = {group.title: [action.dest for action in group._group_actions]
                 for group in serve._action_groups}
-    assert "upload_to" in headings["checkpoint upload (docs/upload.md; needs the [upload] extra)"]
+    upload = "checkpoint upload (docs/upload.md; s3:// needs the [upload] extra)"
+    assert "upload_to" in headings[upload]
     assert "listen" in headings["listening and access"]
     assert "aws_imds_url" in headings["the aws source"]
     assert "poll_interval" in headings["polling"]

@@ -22,7 +22,8 @@ from moto.server import ThreadedMotoServer
 from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
 from sidecar.checkpoint.manifest import MANIFEST_NAME
 from sidecar.host.upload.location import S3Location
-from sidecar.host.upload.storage import StorageConfig, make_client
+from sidecar.host.upload.storage import make_client
+from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.transfer import S3Destination
 
 __all__ = ["ACCESS_KEY", "MIB", "SECRET_KEY", "S3Server", "isolate_aws_env", "make_checkpoint",

@@ -11,6 +11,8 @@ Modules, one job each:
 - ``plan``: the next upload's estimate and which upload goes first near the release
   (pure, standard library only; the simulator runs the same rule);
 - ``location``: ``s3://bucket/prefix`` and the key layout (standard library only);
+- ``storage_config``: where and how to reach storage (standard library only: a volume's
+  uploader reads it too, and never loads boto3);
 - ``storage``: the boto3 client and transfer settings, errors in one clear line;
 - ``transfer``: one checkpoint up (manifest last) or down (verified);
 - ``stream``: saves in progress, and which of their files are finished (sent early);
@@ -28,5 +30,6 @@ Modules, one job each:
 
 This file imports nothing on purpose: the daemon imports the package only when upload is
 configured, and ``sidecar.host.settings`` only needs ``location`` to check a URL (the
-simulator imports ``plan`` alone).
+simulator imports ``plan`` alone). Only an ``s3://`` destination loads the S3 modules
+(``storage``, ``transfer``, ``s3_*``) and with them boto3.
 """

@@ -58,7 +58,7 @@ def restore_newest(
         return restore_from_volume(where, target, step=step, verify_checksums=verify_checksums)
     try:
         from sidecar.host.upload.restore import restore
-        from sidecar.host.upload.storage import StorageConfig
+        from sidecar.host.upload.storage_config import StorageConfig
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise _needs_boto3(exc) from None
     return restore(StorageConfig(**storage), where, target, step=step,
@@ -88,7 +88,7 @@ def restore_named(
             raise RestoreError(f"{found.path}: {exc}") from None
     try:
         from sidecar.host.upload.restore import restore_named as restore_remote
-        from sidecar.host.upload.storage import StorageConfig
+        from sidecar.host.upload.storage_config import StorageConfig
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise _needs_boto3(exc) from None
     return restore_remote(StorageConfig(**storage), where, name, target,

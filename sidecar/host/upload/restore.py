@@ -29,7 +29,8 @@ from sidecar.checkpoint.manifest import CheckpointInfo, Invalid
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_refs import read_references, source_key
 from sidecar.host.upload.s3_source import S3Source
-from sidecar.host.upload.storage import StorageConfig, describe_error, make_client
+from sidecar.host.upload.storage import describe_error, make_client
+from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.transfer import list_remote_names, parse_manifest, read_remote_manifest
 from sidecar.host.upload.verified_copy import copy_verified
 from sidecar.host.upload.volume import (

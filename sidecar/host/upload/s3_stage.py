@@ -34,11 +34,8 @@ from sidecar.host.upload.commit_check import DurableFile, StagedFile, StatKey, s
 from sidecar.host.upload.jobfiles import open_job_file
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_refs import source_key, write_references
-from sidecar.host.upload.storage import (
-    StorageConfig,
-    StorageError,
-    is_not_found,
-)
+from sidecar.host.upload.storage import StorageError, is_not_found
+from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.volume_stage import Cancelled, Throttle
 
 __all__ = ["S3Staging", "read_remote_manifest", "verify_sizes"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import urllib.parse
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import boto3
@@ -34,11 +33,10 @@ from botocore.exceptions import (
 )
 
 from sidecar.checkpoint.manifest import Invalid
-from sidecar.host.settings import DEFAULT_UPLOAD_CONCURRENCY, DEFAULT_UPLOAD_PART_SIZE
+from sidecar.host.upload.storage_config import StorageConfig
 
 __all__ = [
     "MIN_PART_SIZE",
-    "StorageConfig",
     "StorageError",
     "describe_error",
     "is_access_denied",
@@ -62,25 +60,6 @@ _NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound", "NoSuchUpload"})
 
 class StorageError(Exception):
     """A storage operation failed; the message is one line, without secrets."""
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    endpoint: Optional[str] = None  # None: AWS S3 for the region
-    region: Optional[str] = None
-    access_key: Optional[str] = field(default=None, repr=False)
-    secret_key: Optional[str] = field(default=None, repr=False)
-    addressing_style: str = "auto"  # auto | path | virtual
-    concurrency: int = DEFAULT_UPLOAD_CONCURRENCY
-    part_size: int = DEFAULT_UPLOAD_PART_SIZE
-    max_bandwidth: Optional[int] = None  # bytes per second for all transfers; None: no cap
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
-    max_attempts: int = 3  # botocore's own retries of one request
-
-    @property
-    def where(self) -> str:
-        return self.endpoint or "AWS S3"
 
 
 def _addressing_style(config: StorageConfig) -> str:

@@ -10,7 +10,6 @@ reader, and downloading the files a manifest lists (each from the folder that ho
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -34,11 +33,8 @@ from sidecar.host.upload.commit_check import DurableFile, StagingDestination, du
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.s3_refs import materialize, read_references, source_key
 from sidecar.host.upload.s3_stage import S3Staging, read_remote_manifest
-from sidecar.host.upload.storage import (
-    StorageConfig,
-    describe_error,
-    transfer_config,
-)
+from sidecar.host.upload.storage import describe_error, transfer_config
+from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.volume import Cancelled  # one class for both destinations
 from sidecar.host.upload.volume_stage import Throttle
 
@@ -93,10 +89,6 @@ def _opened(handle: int) -> Any:
     if os.path.exists(name):
         return name
     return os.fdopen(os.dup(handle), "rb")
-
-
-def manifest_digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
 
 
 def parse_manifest(raw: bytes, folder: Path) -> CheckpointInfo:

@@ -35,6 +35,7 @@ the folder changes (inotify) or the next rescan.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -59,9 +60,8 @@ from sidecar.host.upload.jobfiles import Pin, Refused, clear_stale_pin, pin, rea
 from sidecar.host.upload.location import S3Location
 from sidecar.host.upload.probe import LinkProbe
 from sidecar.host.upload.status import UploadRecord, UploadTracker
-from sidecar.host.upload.storage import StorageConfig, make_client
+from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.stream import DEFAULT_SETTLE_SECONDS, SaveInProgress
-from sidecar.host.upload.transfer import S3Destination, manifest_digest
 from sidecar.host.upload.volume import Cancelled
 from sidecar.host.upload.watch import FolderWatch
 
@@ -96,6 +96,11 @@ class UploaderConfig:
     probe: bool = True
 
 
+def manifest_digest(raw: bytes) -> str:
+    """What tells one commit of a checkpoint from another: its manifest's sha256."""
+    return hashlib.sha256(raw).hexdigest()
+
+
 class _Stale(Exception):
     """The local folder changed under the upload (re-saved, deleted): start over."""
 
@@ -109,7 +114,7 @@ class Uploader:
         *,
         tracker: Optional[UploadTracker] = None,
         remaining_seconds: Callable[[], Optional[float]] = lambda: None,
-        client_factory: Callable[[StorageConfig], Any] = make_client,
+        client_factory: Optional[Callable[[StorageConfig], Any]] = None,
         clock: Callable[[], float] = time.time,
         destination: Optional[Destination] = None,
     ) -> None:
@@ -118,7 +123,12 @@ class Uploader:
         if destination is None:
             if config.location is None:
                 raise ValueError("an S3 location or a destination is needed")
-            destination = S3Destination(config.storage, config.location, client_factory)
+            # Here, not at the top: a volume's uploader never loads boto3 (issue 39, item 9).
+            from sidecar.host.upload.storage import make_client
+            from sidecar.host.upload.transfer import S3Destination
+
+            destination = S3Destination(config.storage, config.location,
+                                        client_factory or make_client)
         self.destination: Destination = destination
         self.tracker = tracker or UploadTracker(
             source=str(config.root), destination=self.destination.url,

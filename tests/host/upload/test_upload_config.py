@@ -85,12 +85,8 @@ def test_storage_choices_without_a_request(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.delenv("AWS_REGION", raising=False)
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-    from sidecar.host.upload.storage import (
-        StorageConfig,
-        _addressing_style,
-        make_client,
-        region_for,
-    )
+    from sidecar.host.upload.storage import _addressing_style, make_client, region_for
+    from sidecar.host.upload.storage_config import StorageConfig
 
     tos = StorageConfig(endpoint="https://tos-s3-cn-beijing.volces.com")
     assert region_for(tos) == "cn-beijing" and _addressing_style(tos) == "virtual"
@@ -124,7 +120,7 @@ def test_upload_settings_without_the_upload_extra_stop_start_up_with_one_line(
         env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if "esi-sidecar serve:" in line]
-    assert errors == ["esi-sidecar serve: --upload-to needs the [upload] extra (boto3 is not "
-                      "installed): pip install 'esi-sidecar[server,upload]', install.sh "
+    assert errors == ["esi-sidecar serve: --upload-to s3:// needs the [upload] extra (boto3 is "
+                      "not installed): pip install 'esi-sidecar[server,upload]', install.sh "
                       "--upload, or the image built with --build-arg UPLOAD=1"], result.stderr
     assert "Traceback" not in result.stderr
