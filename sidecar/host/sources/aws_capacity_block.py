@@ -43,6 +43,7 @@ from sidecar.host.sources.base import (
     SourceRefused,
     where,
 )
+from sidecar.host.sources.bounded import Calls, Unfinished
 from sidecar.host.sources.metadata_http import clip, request
 from sidecar.host.sources.spec import (
     Option,
@@ -112,7 +113,7 @@ class CapacityBlockSource:
         self._client: Any = None
         self._reservation_id: Optional[str] = None  # once known to be a Capacity Block
         self._lock = threading.Lock()
-        self._pending: Optional[threading.Thread] = None  # a call that overran its bound
+        self._calls = Calls("esi-sidecar-ec2")  # each call bounded as a whole
 
     # ------------------------------------------------------------------ the poll
 
@@ -243,26 +244,16 @@ class CapacityBlockSource:
 
     def _call(self, action: str, call: Callable[[], Any]) -> dict[str, Any]:
         """One API call, bounded as a whole; its failures as one SourceError line."""
-        if self._pending is not None and self._pending.is_alive():
-            raise SourceError(f"{action}: the previous call has not ended yet (the endpoint "
-                              "trickles its answer)")
-        outcome: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                outcome["answer"] = call()
-            except Exception as exc:  # handed to the poll's thread
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=run, name="esi-sidecar-ec2", daemon=True)
-        worker.start()
-        worker.join(self._call_seconds)
-        if worker.is_alive():
-            self._pending = worker
-            raise SourceError(f"{action}: no whole answer within {self._call_seconds:g} s")
-        if "error" in outcome:
-            raise self._translate(action, outcome["error"]) from None
-        answer = outcome.get("answer")
+        try:
+            answer = self._calls.run(
+                call, self._call_seconds,
+                busy=f"{action}: the previous call has not ended yet (the endpoint "
+                     "trickles its answer)",
+                late=f"{action}: no whole answer within {self._call_seconds:g} s")
+        except Unfinished:
+            raise
+        except Exception as exc:
+            raise self._translate(action, exc) from None
         if not isinstance(answer, dict):
             raise SourceError(f"{action}: malformed response")
         return answer

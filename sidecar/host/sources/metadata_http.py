@@ -13,15 +13,14 @@ if TYPE_CHECKING:
     import urllib3
 
 from sidecar.host.sources.base import SourceError
+from sidecar.host.sources.bounded import Calls, Unfinished
 
 __all__ = ["clip", "probe_failure", "request"]
 
 
-# The request each pool still waits for after its caller gave up on it (a service that
-# trickles), by URL: at most one per URL is left behind, and none is started beside it.
-_HANGING: weakref.WeakKeyDictionary[Any, dict[str, threading.Thread]] = (
-    weakref.WeakKeyDictionary())
-_HANGING_LOCK = threading.Lock()
+# Each pool's requests, bounded as a whole (``bounded.Calls``, by URL).
+_CALLS: weakref.WeakKeyDictionary[Any, Calls] = weakref.WeakKeyDictionary()
+_CALLS_LOCK = threading.Lock()
 # Beyond the connect and read timeouts, the slack a whole answer may take.
 WHOLE_REQUEST_SLACK_SECONDS = 1.0
 
@@ -34,43 +33,30 @@ def request(http: urllib3.PoolManager, method: str, url: str, *, place: str, clo
     The whole request is bounded (connect + read timeout + 1 s): urllib3's timeouts bound
     each socket read, so a service that trickles a byte every half second would hold the
     source's poll forever and a real notice behind it would be missed (issue 22). The
-    request runs in a thread; one that overruns is left to end by itself, and no new
-    request to that URL starts until it has."""
-    with _HANGING_LOCK:
-        pending = _HANGING.setdefault(http, {})
-        previous = pending.get(url)
-        if previous is not None and previous.is_alive():
-            raise SourceError(f"{place}: the previous request has not ended yet "
-                              "(the service trickles its answer)")
-        outcome: dict[str, Any] = {}
-        worker = threading.Thread(
-            target=_request_into, args=(outcome, http, method, url, timeout, options),
-            name="esi-sidecar-metadata", daemon=True)
-        pending[url] = worker
-    worker.start()
+    request runs in a thread (``bounded.Calls``); one that overruns is left to end by
+    itself, and no new request to that URL starts until it has."""
+    with _CALLS_LOCK:
+        calls = _CALLS.setdefault(http, Calls("esi-sidecar-metadata"))
     bound = (_seconds(timeout.connect_timeout) + _seconds(timeout.read_timeout)
              + WHOLE_REQUEST_SLACK_SECONDS)
-    worker.join(bound)
-    if worker.is_alive():
-        raise SourceError(f"{place}: no whole answer within {bound:g} s "
-                          "(the service trickles its answer)")
-    if "error" in outcome:
-        raise _one_line(outcome["error"], place, cloud, timeout) from None
-    return outcome["response"]
+    try:
+        return calls.run(
+            lambda: http.request(method, url, timeout=timeout, preload_content=True,
+                                 redirect=False, **options),
+            bound, key=url,
+            busy=f"{place}: the previous request has not ended yet "
+                 "(the service trickles its answer)",
+            late=f"{place}: no whole answer within {bound:g} s "
+                 "(the service trickles its answer)")
+    except Unfinished:
+        raise
+    except Exception as exc:
+        raise _one_line(exc, place, cloud, timeout) from None
 
 
 def _seconds(value: Any) -> float:
     """A urllib3 timeout part in seconds (0 when unset or urllib3's default sentinel)."""
     return float(value) if isinstance(value, (int, float)) else 0.0
-
-
-def _request_into(outcome: dict[str, Any], http: urllib3.PoolManager, method: str, url: str,
-                  timeout: urllib3.Timeout, options: dict[str, Any]) -> None:
-    try:
-        outcome["response"] = http.request(method, url, timeout=timeout, preload_content=True,
-                                           redirect=False, **options)
-    except Exception as exc:  # handed to the caller's thread
-        outcome["error"] = exc
 
 
 def _one_line(exc: Exception, place: str, cloud: str, timeout: urllib3.Timeout) -> Exception:

@@ -18,15 +18,14 @@ more than ``PLAUSIBLE_PAST_SECONDS`` in the past, which a notice shown at most f
 minutes ahead cannot; then UTC, the zone the guide names. ``--timezone`` overrides both.
 
 Each request is bounded as a whole (a timer ends it at its deadline, whatever it waits
-for), so a service that hangs or trickles its answer costs one poll, never more.
+for: ``bounded.Deadline``), so a service that hangs or trickles its answer costs one
+poll, never more.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timezone, tzinfo
@@ -35,6 +34,7 @@ from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 from sidecar.host.sources.base import Observation, SourceError
+from sidecar.host.sources.bounded import Deadline
 from sidecar.host.sources.metadata_http import clip
 from sidecar.host.sources.spec import SourceSpec, SourceTraits
 from sidecar.models import DEFAULT_METADATA_URL, KIND_PREEMPTION, Notice, observation_from_notices
@@ -120,48 +120,33 @@ def bounded_get(url: str, seconds: float) -> tuple[int, str]:
     if parts.scheme != "http" or not parts.hostname:
         raise SourceError(f"metadata service {url}: only http:// URLs are served")
     connection = HTTPConnection(parts.hostname, parts.port or 80, timeout=seconds)
-    expired = threading.Event()
-    sockets: list[socket.socket] = []  # the connected socket, for the timer to shut
-    timer = threading.Timer(seconds, _cut, (sockets, expired))
-    timer.daemon = True
-    timer.start()
+    deadline = Deadline(seconds)
     try:
-        connection.connect()
-        if connection.sock is not None:
-            sockets.append(connection.sock)
-        if expired.is_set():
-            raise TimeoutError
-        connection.request("GET", parts.path or "/", headers={"Accept": "text/plain"})
-        response = connection.getresponse()
-        body = response.read(MAX_BODY + 1)
-        status = response.status
+        with deadline:
+            connection.connect()
+            deadline.watch(connection.sock)
+            if deadline.expired.is_set():
+                raise TimeoutError
+            connection.request("GET", parts.path or "/", headers={"Accept": "text/plain"})
+            response = connection.getresponse()
+            body = response.read(MAX_BODY + 1)
+            status = response.status
     except ConnectionRefusedError:
         raise SourceError(f"metadata service {url}: cannot connect: not on Volcengine ECS?"
                           ) from None
     except (OSError, HTTPException) as exc:
-        if expired.is_set() or isinstance(exc, (TimeoutError, socket.timeout)):
+        if deadline.expired.is_set() or isinstance(exc, (TimeoutError, socket.timeout)):
             raise SourceError(f"metadata service {url}: no answer within "
                               f"{seconds:g} s") from None
         raise SourceError(f"metadata service {url}: {type(exc).__name__}") from None
     finally:
-        timer.cancel()
         connection.close()
-    if expired.is_set():  # cut mid-body: what came is not the whole answer
+    if deadline.expired.is_set():  # cut mid-body: what came is not the whole answer
         raise SourceError(f"metadata service {url}: no answer within {seconds:g} s")
     if len(body) > MAX_BODY:
         raise SourceError(f"metadata service {url}: answer longer than {MAX_BODY} bytes: "
                           f"{clip(body.decode('utf-8', 'replace'))}")
     return status, body.decode("utf-8", "replace").strip()
-
-
-def _cut(sockets: list[socket.socket], expired: threading.Event) -> None:
-    """At the deadline: wake the read that waits, whatever it waits for (the response
-    keeps reading the socket after the connection lets it go, so it is shut, not the
-    connection closed)."""
-    expired.set()
-    for sock in sockets:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(frozen=True)
