@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from sidecar.host.auth import is_loopback
 from sidecar.host.drill import RESULTS, DrillBoard, DrillRefused
 from sidecar.host.events import EventHistory, JobEvent
-from sidecar.host.json_body import json_object
+from sidecar.host.json_body import BodyRefused, json_object, read_json_body
 
 __all__ = ["DrillCollector", "ReportingHistory", "add_drill_routes"]
 
@@ -97,16 +97,11 @@ def add_drill_routes(app: FastAPI, board: DrillBoard, events: EventHistory,
         if not _may_start(request, token):
             return _refused(403, "forbidden", "a drill is started from this host (loopback) "
                             "or with Authorization: Bearer <ESI_SIDECAR_TOKEN>")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return _refused(413, "too-large", f"body: more than {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _refused(413, "too-large", f"body: more than {MAX_BODY_BYTES} bytes")
         try:
-            lead = _lead(raw)
-        except ValueError as exc:
-            return _refused(422, "malformed", str(exc))
+            lead = await read_json_body(request, MAX_BODY_BYTES, _lead)
+        except BodyRefused as exc:
+            return _refused(exc.status, "too-large" if exc.status == 413 else "malformed",
+                            exc.message)
         now = clock()
         try:
             drill = board.start(lead, real_deadline=real_deadline(now),

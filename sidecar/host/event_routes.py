@@ -3,11 +3,8 @@ validated; docs/events.md) and ``GET /v1/events``, over an :class:`EventHistory`
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Callable, Optional
 
 from fastapi import FastAPI, Query, Request
@@ -24,6 +21,7 @@ from sidecar.host.events import (
     JobEvent,
     problem_line,
 )
+from sidecar.host.json_body import read_capped, too_large
 from sidecar.host.query import digits
 
 __all__ = ["add_event_routes"]
@@ -40,39 +38,6 @@ def _refused(status: int, message: str, detail: Optional[list[Any]] = None,
     return Response(json.dumps(body, separators=(",", ":")), status_code=status,
                     media_type="application/json",
                     headers={"Connection": "close"} if close else None)
-
-
-async def _read_body(request: Request) -> Optional[bytes]:
-    """The request body, or None when it is larger than MAX_BODY_BYTES: then the rest is
-    read and thrown away, up to MAX_DISCARDED_BYTES within DISCARD_SECONDS, and no further
-    (a declared length over that is not read at all)."""
-    declared = request.headers.get("content-length", "")
-    stream = request.stream()  # one stream: Starlette's request gives only one
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        if int(declared) <= MAX_DISCARDED_BYTES:
-            await _discard(stream, 0)
-        return None
-    chunks, size = [], 0
-    async for chunk in stream:
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            await _discard(stream, size)
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _discard(stream: AsyncIterator[bytes], size: int) -> None:
-    """Read the rest of the body and drop it, while it stays within the bounds."""
-    async def read_rest() -> None:
-        nonlocal size
-        async for chunk in stream:
-            size += len(chunk)
-            if size > MAX_DISCARDED_BYTES:
-                return
-
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(read_rest(), DISCARD_SECONDS)
 
 
 # Documented by hand: the body is read here, capped, before pydantic sees it (FastAPI's own
@@ -98,11 +63,12 @@ def add_event_routes(app: FastAPI, history: EventHistory,
               responses={413: {"description": "body over 64 KiB"},
                          422: {"description": "an invalid event: the error names the field"}})
     async def post_events(request: Request) -> Response:
-        raw = await _read_body(request)
+        raw = await read_capped(request, MAX_BODY_BYTES, discard_bytes=MAX_DISCARDED_BYTES,
+                                discard_seconds=DISCARD_SECONDS)
         if raw is None:
             history.reject("too-large")
             # Closed after the answer: the rest of a body, if any, is never read.
-            return _refused(413, f"body: more than {MAX_BODY_BYTES} bytes", close=True)
+            return _refused(413, too_large(MAX_BODY_BYTES), close=True)
         now = clock()
         batch = raw.lstrip()[:1] == b"["
         try:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from sidecar.host.json_body import json_object
+from sidecar.host.json_body import BodyRefused, json_object, read_json_body
 from sidecar.host.reclaims import AccountRefused, ReclaimLedger
 from sidecar.train.reclaim_cost import ReleaseCost, release_cost
 
@@ -95,17 +95,11 @@ def add_reclaim_routes(app: FastAPI, ledger: ReclaimLedger,
                          422: {"description": "a malformed or impossible account"},
                          429: {"description": "too many accounts: try later"}})
     async def close_account(request: Request) -> Response:
-        declared = request.headers.get("content-length", "")
-        too_large = _answer({"error": f"body: more than {MAX_BODY_BYTES} bytes"}, 413)
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            return too_large
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return too_large
         try:
-            cost = cost_of_restore(raw, clock(), ledger.brought)
-        except ValueError as exc:
-            return _answer({"error": str(exc)}, 422)
+            cost = await read_json_body(
+                request, MAX_BODY_BYTES, lambda raw: cost_of_restore(raw, clock(), ledger.brought))
+        except BodyRefused as exc:
+            return _answer({"error": exc.message}, exc.status)
         peer = "an unknown peer" if request.client is None else request.client.host
         try:
             recorded = ledger.record(cost, f"restore from {peer}")
