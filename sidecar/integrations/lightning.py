@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from sidecar.checkpoint.durable import fsync_path, sync_tree
+from sidecar.checkpoint.durable import rename_durably, sync_tree
 from sidecar.integrations.distributed import callback_guard, check_callback_guard_arguments
 from sidecar.train.guard import EXIT_RELEASED, CheckpointGuard
 from sidecar.train.policy import SavePolicy
@@ -241,11 +241,10 @@ def _commit(partial: str, path: str) -> None:
         # under this name before): move the old one aside, then drop it.
         old = f"{path}{PARTIAL_MARK}{os.getpid()}-old"
         os.replace(path, old)
-        os.replace(partial, path)
+        rename_durably(partial, path, rename=os.replace)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(partial, path)
-    fsync_path(os.path.dirname(path) or ".")
+        rename_durably(partial, path, rename=os.replace)
 
 
 # -- finding the newest checkpoint ----------------------------------------------------------
