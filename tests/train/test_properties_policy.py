@@ -193,9 +193,12 @@ def simulate(scenario: Scenario) -> Run:
     now = NOW
     base = NOW + scenario.remaining_at_start
     if scenario.at_window_edge:
+        # Inside by at least a few steps of an absolute timestamp's precision (2.4e-7 s
+        # near 1.8e9): closer than that, rounding of `base - now` can put "just inside"
+        # just outside the window, which is not the scenario asked for.
+        inside = max(scenario.remaining_at_start * 2 * largest_wobble(options), 1e-6)
         base = NOW + (scenario.first_step + (estimates.save() + (scenario.upload_seconds or 0.0))
-                      + options["redundant_seconds"]) - (
-                          scenario.remaining_at_start * 2 * largest_wobble(options))
+                      + options["redundant_seconds"]) - inside
     pending = list(scenario.moves)
     saves = 0
     run = Run(scenario, policy, amplitude, [], [Epoch(None)], {})
