@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 __all__ = [
+    "DEADLINE_MACHINE",
+    "DEADLINE_PROCESS",
     "DEFAULT_AWS_IMDS_URL",
     "DEFAULT_AZURE_METADATA_URL",
     "DEFAULT_GCP_METADATA_URL",
@@ -45,6 +47,9 @@ KIND_SCHEDULED_RELEASE = "scheduled-release"  # ESI AutoReleaseAt, capacity bloc
 KIND_PREEMPTION = "preemption-notice"  # spot / preemptible reclaim, early ESI reclaim
 KIND_MAINTENANCE = "scheduled-maintenance"  # the platform stops, reboots or moves the VM
 KIND_REBALANCE = "rebalance-recommendation"  # advice only (AWS): never a deadline
+# Whose end a deadline is (``deadline_kind``): the machine's, or only the process's.
+DEADLINE_MACHINE = "machine"
+DEADLINE_PROCESS = "process"
 
 
 def _number(body: Mapping[str, Any], key: str, *, optional: bool = True) -> Optional[float]:
@@ -157,7 +162,8 @@ class Expiry:
     # say (one from before this field): a guard then trusts the estimate as it is.
     upload_measured: Optional[int] = None
     # Every source's notices (source, kind, expires_at, expires_at_unix, remaining_seconds,
-    # advisory, detail, observed_at, stale), the earliest deadline first, advice last.
+    # advisory, detail, observed_at, stale, detection_lag_seconds, deadline_kind), the
+    # earliest deadline first, advice last.
     notices: tuple[dict[str, Any], ...] = ()
     # A fire drill under way (``esi-sidecar drill``, docs/drill.md): its id, deadline
     # (expires_at, expires_at_unix, remaining_seconds) and start. Never in expires_at: a
@@ -166,6 +172,11 @@ class Expiry:
     # How late a moved deadline can be seen now: the longest wait the daemon's poller
     # planned after its last poll of any source (None: unknown, an older daemon).
     detection_lag_seconds: Optional[float] = None
+    # Whose end the deadline is: "machine" (a release or reclaim) or "process" (a Slurm
+    # limit, the environment's deadline), as its source's spec declares; each notice says
+    # its own the same way. None: no deadline, or an older daemon (the guard then guesses
+    # from ``source``: sidecar.train.deadlines.daemon_kind).
+    deadline_kind: Optional[str] = None
 
     def to_json(self) -> dict[str, Any]:
         # Not asdict(): its deep copy costs more than the rest of a /v1/expiry answer, and
@@ -201,6 +212,7 @@ class Expiry:
             notices=_notices(body),
             drill=_drill(body),
             detection_lag_seconds=_number(body, "detection_lag_seconds"),
+            deadline_kind=_text(body, "deadline_kind"),
         )
 
 
@@ -228,6 +240,7 @@ def _notices(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         _number(notice, "expires_at_unix")
         _text(notice, "source")
         _text(notice, "kind")
+        _text(notice, "deadline_kind")
     return tuple(dict(notice) for notice in notices)
 
 

@@ -432,7 +432,7 @@ def test_the_import_reader_sees_lazy_imports() -> None:
 
 
 # The save rule's table and its estimates: pure (issue 37; docs/architecture.md).
-RULE_MODULES = ("sidecar.train.rule", "sidecar.train.estimates")
+RULE_MODULES = ("sidecar.train.rule", "sidecar.train.estimates", "sidecar.train.deadlines")
 
 
 def test_the_rule_and_its_estimates_import_only_the_stdlib_shared_and_each_other() -> None:

@@ -132,7 +132,8 @@ def _probed(name: str, settings: Settings) -> ProbedSource:
 
 def build_daemon(settings: Settings) -> Daemon:
     sources = build_sources(settings)
-    store = Store([source.name for source in sources], stale_after=settings.effective_stale_after)
+    store = Store([source.name for source in sources], stale_after=settings.effective_stale_after,
+                  deadline_kinds={spec.name: spec.deadline_kind for spec in specs()})
     # One state file, its sections loaded together: a deadline that changed is written at
     # once, the job events within 2 s (sidecar.host.statefile).
     state = StateFile(settings.state_file)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -68,6 +68,9 @@ class SourceStatus:
     # The wait planned after the last poll: how late a moved deadline can be seen now
     # (served as ``detection_lag_seconds``; None before the first poll).
     next_poll_seconds: Optional[float] = None
+    # Whose end its deadlines are ("machine" | "process"), as its spec declares; served as
+    # ``deadline_kind`` (None: not said, a store built without the specs).
+    deadline_kind: Optional[str] = None
 
     def age(self, now: float) -> Optional[float]:
         return None if self.observed_at_unix is None else now - self.observed_at_unix
@@ -106,14 +109,18 @@ class Store:
         *,
         stale_after: float,
         clock: Callable[[], float] = time.time,
+        deadline_kinds: Optional[Mapping[str, str]] = None,
     ) -> None:
+        """``deadline_kinds``: each source's deadline kind by name (its spec's)."""
         if not source_names:
             raise ValueError("a store needs at least one source")
         self._lock = threading.Lock()
         self._clock = clock
         self._stale_after = stale_after
         self._started = clock()
-        self._sources = {name: SourceStatus(name) for name in source_names}
+        kinds = deadline_kinds or {}
+        self._sources = {name: SourceStatus(name, deadline_kind=kinds.get(name))
+                         for name in source_names}
         # Each source's deadline as it was learned and as it moved, newest last (bounded).
         self._moves: deque[DeadlineMove] = deque(maxlen=MOVES_KEPT)
 
@@ -264,6 +271,7 @@ def build_expiry(snapshot: Snapshot, now: float) -> Expiry:
         ),
         notices=build_notices(present, now, snapshot.stale_after),
         detection_lag_seconds=detection_lag(present),
+        deadline_kind=chosen.deadline_kind if chosen else None,
     )
 
 
@@ -371,6 +379,7 @@ def _notice_json(status: SourceStatus, notice: Notice, now: float,
         "stale": not status.is_fresh(now, stale_after),
         "detection_lag_seconds": (None if status.next_poll_seconds is None
                                   else round(status.next_poll_seconds, 1)),
+        "deadline_kind": status.deadline_kind,
     }
 
 

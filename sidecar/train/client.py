@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any, Optional, Union
 
 from sidecar.models import DEFAULT_LISTEN, Expiry
+from sidecar.train.deadlines import DRILL, Candidate, daemon_kind, earliest
 from sidecar.train.endpoint import ENV_TOKEN, Endpoint, FetchError, describe_error
 from sidecar.train.event_sender import EventSender
 
@@ -60,6 +61,14 @@ def _with_slowest_upload(chosen: Expiry, answers: list[Expiry]) -> Expiry:
     counts = [a.upload_measured for a in answers if a.upload_measured is not None]
     return replace(chosen, upload_seconds=max(estimates) if estimates else None,
                    upload_status=status, upload_measured=min(counts) if counts else None)
+
+
+def _candidate(answer: Expiry, index: int) -> Optional[Candidate]:
+    """A daemon's answer as a deadline candidate, its source the answer's index."""
+    if answer.expires_at_unix is None:
+        return None
+    return Candidate(answer.expires_at_unix, str(index),
+                     daemon_kind(answer.deadline_kind, answer.source))
 
 
 def _check_token(token: str) -> str:
@@ -203,9 +212,10 @@ class SidecarClient:
         self._log_failing(tuple(failing), any_answered=bool(answered))
         if not answered:
             return None
-        with_deadline = [a for a in candidates if a.expires_at_unix is not None]
-        if with_deadline:
-            chosen = min(with_deadline, key=lambda a: a.expires_at_unix or 0.0)
+        # The earliest deadline across the daemons (on a tie, the first URL's).
+        earliest_one = earliest(_candidate(a, index) for index, a in enumerate(candidates))
+        if earliest_one is not None:
+            chosen = candidates[int(earliest_one.source)]
         else:
             chosen = next((a for a in answered if a.stale), answered[0])
         if len(self._endpoints) < 2:
@@ -213,7 +223,9 @@ class SidecarClient:
         chosen = _with_slowest_upload(chosen, [*answered, *candidates])
         # A drill on any node is the job's drill: the earliest one answered.
         drills = [a.drill for a in answered if a.drill is not None]
-        drill = min(drills, key=lambda d: d["expires_at_unix"]) if drills else None
+        first = earliest(Candidate(float(d["expires_at_unix"]), str(i), DRILL)
+                         for i, d in enumerate(drills))
+        drill = None if first is None else drills[int(first.source)]
         return chosen if drill is chosen.drill else replace(chosen, drill=drill)
 
     def _log_failing(self, failing: tuple[str, ...], *, any_answered: bool) -> None:

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 from sidecar.train.client import SidecarClient
+from sidecar.train.deadlines import PROCESS, Candidate, daemon_kind, earliest
 from sidecar.train.policy import check_seconds
 from sidecar.train.rank_log import RankPrefix
 
@@ -127,6 +128,7 @@ class DeadlineTracker:
         self._current = False  # the daemon deadline is a current answer from every daemon
         self._daemon_deadline: Optional[float] = None  # the last deadline the daemon gave
         self._daemon_source: Optional[str] = None  # the daemon's source of that deadline
+        self._daemon_kind: Optional[str] = None  # its kind, as served (None: not served)
         self._last_error: Optional[str] = None
         self._warned_unreachable = False
         self._warned_stale = False
@@ -165,6 +167,13 @@ class DeadlineTracker:
         return self._daemon_source
 
     @property
+    def daemon_kind(self) -> Optional[str]:
+        """The kind of the deadline the daemon last gave, as it served it
+        (``Expiry.deadline_kind``: "machine" or "process"); None from a daemon that does
+        not serve it (the guard then guesses: ``sidecar.train.deadlines.daemon_kind``)."""
+        return self._daemon_kind
+
+    @property
     def upload_measured(self) -> Optional[int]:
         """How many uploads the estimate rests on (``Expiry.upload_measured``, the
         fewest of the nodes'); None when the daemons do not say."""
@@ -180,6 +189,12 @@ class DeadlineTracker:
 
         ``refresh=False`` never asks: for a save that must not wait for the daemon.
         """
+        chosen = self.candidate(refresh=refresh)
+        return (None, None) if chosen is None else (chosen.unix, chosen.source)
+
+    def candidate(self, *, refresh: bool = True) -> Optional[Candidate]:
+        """:meth:`deadline` as a :class:`Candidate` with its kind: the daemon's as it served
+        it (``sidecar.train.deadlines.daemon_kind``), the environment's a process's."""
         with self._lock:
             if refresh:
                 self._maybe_refresh()
@@ -195,15 +210,15 @@ class DeadlineTracker:
             self._env_value = env_deadline(environ)
         return self._env_value
 
-    def _choose(self) -> tuple[Optional[float], Optional[str]]:
+    def _choose(self) -> Optional[Candidate]:
         daemon, env = self._daemon_deadline, self._env_deadline()
-        if daemon is not None:
-            if not self._current and env is not None and env < daemon:
-                return env, "env"  # the daemon's word is a last known one: the earlier wins
-            return daemon, "daemon"
-        if env is not None:
-            return env, "env"
-        return None, None
+        kind = daemon_kind(self._daemon_kind, self._daemon_source)
+        candidates = [None if daemon is None else Candidate(daemon, "daemon", kind)]
+        # A current daemon's word stands; a last known one, or none, meets the environment's
+        # (sidecar.train.deadlines: on a tie the daemon's, listed first, stays).
+        if daemon is None or not self._current:
+            candidates.append(None if env is None else Candidate(env, "env", PROCESS))
+        return earliest(candidates)
 
     def _maybe_refresh(self) -> None:
         now = self._monotonic()
@@ -225,11 +240,12 @@ class DeadlineTracker:
             # before its nodes are known) answers None without an error.
             if error is not None and not self._warned_unreachable:
                 self._warned_unreachable = True
-                deadline, source = self._choose()
+                known = self._choose()
                 fallback = (
                     "no deadline known"
-                    if deadline is None
-                    else f"using the {'last known' if source == 'daemon' else source} deadline"
+                    if known is None
+                    else "using the "
+                    f"{'last known' if known.source == 'daemon' else known.source} deadline"
                 )
                 logger.warning(
                     "sidecar daemon unreachable (%s); %s; retrying every %g s",
@@ -244,6 +260,7 @@ class DeadlineTracker:
         if not says_nothing:
             self._daemon_deadline = answer.expires_at_unix
             self._daemon_source = answer.source
+            self._daemon_kind = answer.deadline_kind
         self._upload_seconds, self._upload_status = answer.upload_seconds, answer.upload_status
         self._upload_measured = answer.upload_measured
         self._reachable = error is None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from sidecar.train.deadline import DeadlineTracker
+from sidecar.train.deadlines import DRILL, Candidate, earliest
 from sidecar.train.durability import DurabilityFollower
 from sidecar.train.job_events import JobEvents
 from sidecar.train.policy import PolicyDecision
@@ -92,14 +93,13 @@ class DrillFollower:
             return None
         return deadline
 
-    def earlier(self, deadline: Optional[float], now_unix: float,
-                ) -> tuple[Optional[float], Optional[float]]:
-        """(the deadline to decide on, the drill's or None): the drill's, unless the real
-        ``deadline`` is earlier."""
+    def earlier(self, real: Optional[Candidate], now_unix: float,
+                ) -> tuple[Optional[Candidate], Optional[float]]:
+        """(the deadline to decide on, the drill's or None): the drill's (source and kind
+        ``"drill"``), unless the ``real`` deadline is as early
+        (``sidecar.train.deadlines.earliest``)."""
         drill = self.deadline(now_unix)
-        if drill is not None and (deadline is None or drill < deadline):
-            return drill, drill
-        return deadline, drill
+        return earliest([real, None if drill is None else Candidate(drill, DRILL, DRILL)]), drill
 
     def holds(self) -> bool:
         """Whether the last decision was a drill's (then never stop for it): follows its

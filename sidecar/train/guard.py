@@ -39,6 +39,7 @@ from typing import Callable, Optional, TypeVar
 
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
+from sidecar.train.deadlines import MACHINE, Candidate
 from sidecar.train.decision_notes import DecisionNotes
 from sidecar.train.drill import DrillFollower
 from sidecar.train.durability import DurabilityFollower
@@ -48,7 +49,7 @@ from sidecar.train.protection import JobFigures
 from sidecar.train.rank_log import RankPrefix
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
 from sidecar.train.routine import RoutinePlan, RoutineSaves
-from sidecar.train.rule import PROCESS_SOURCES, DeadlineKind, deadline_kind
+from sidecar.train.rule import PROCESS_SOURCES
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
 from sidecar.train.step_time import LoopTimer
@@ -528,9 +529,9 @@ class CheckpointGuard:
         """This rank's view, without the reducer (never collective): for logging."""
         decision, _deadline = self._decide(reduce=False)
         self._durability.follow()
-        deadline, source = self._tracker.deadline(refresh=False)
-        deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source)
-        deadline, source = with_sigterm(self.sigterm, deadline, source)
+        known = with_sigterm(self.sigterm, with_slurm(
+            self._slurm, self._tracker.reachable, self._tracker.candidate(refresh=False)))
+        deadline, source = (None, None) if known is None else (known.unix, known.source)
         return GuardStatus.of(decision, deadline, source, self._tracker, self._durability,
                               self.last_error, self._routine.plan)
 
@@ -579,19 +580,21 @@ class CheckpointGuard:
 
     def _local_vote(self, now_unix: float) -> Vote:
         """What this rank knows, before any reduction."""
-        deadline: Optional[float] = None
-        source: Optional[str] = None
+        held: Optional[Candidate] = None
         try:
-            deadline, source = self._tracker.deadline()
+            held = self._tracker.candidate()
         except Exception:  # a bug of ours must not stop training
             if not self._warned_internal:
                 logger.exception("sidecar client failed; deciding without a deadline")
                 self._warned_internal = True
-        deadline, source = with_slurm(self._slurm, self._tracker.reachable, deadline, source,
-                                      ask=True)
-        deadline, drill = self._drill.earlier(deadline, now_unix)  # rehearses the real one
-        deadline, source = with_sigterm(self.sigterm, deadline, source)
-        machine = deadline_kind(source, self._tracker.daemon_source) is DeadlineKind.MACHINE
+        # Every deadline merged by sidecar.train.deadlines.earliest; the real one's kind is
+        # the daemon's as served (or guessed for an older daemon: deadlines.daemon_kind),
+        # a process's for any other; a drill rehearses the kind of the real one.
+        real = with_sigterm(self.sigterm, with_slurm(
+            self._slurm, self._tracker.reachable, held, ask=True))
+        chosen, drill = self._drill.earlier(real, now_unix)
+        deadline = None if chosen is None else chosen.unix
+        machine = real is not None and real.kind == MACHINE
         policy = self.policy
         return Vote(
             remaining_seconds=None if deadline is None else deadline - now_unix,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Union
 
+from sidecar.train.deadlines import MACHINE, PROCESS_SOURCES, daemon_kind
 from sidecar.train.estimates import FLOOR_SAVES
 
 __all__ = [
@@ -70,9 +71,6 @@ __all__ = [
 # jitter (SavePolicy.rearm_after_seconds).
 REARM_FLOOR_SECONDS = 2.0
 
-# The daemon's sources whose deadline ends the process, not the machine (a Slurm time
-# limit; a deadline the host's environment gives).
-PROCESS_SOURCES = frozenset({"slurm", "env"})
 
 
 class Action(Enum):
@@ -89,10 +87,13 @@ class DeadlineKind(Enum):
     UNKNOWN = "unknown"  # not said (a SavePolicy asked without the guard)
 
 
-def deadline_kind(source: Optional[str], daemon_source: Optional[str]) -> DeadlineKind:
+def deadline_kind(source: Optional[str], daemon_source: Optional[str],
+                  served: Optional[str] = None) -> DeadlineKind:
     """The kind of a deadline the guard read from ``source`` ("daemon", "env", "slurm",
-    "sigterm"), the daemon's own source being ``daemon_source``."""
-    machine = source == "daemon" and daemon_source not in PROCESS_SOURCES
+    "sigterm"): the daemon's the kind it ``served`` (its own source being
+    ``daemon_source``, which an older daemon's kind is guessed from:
+    ``sidecar.train.deadlines.daemon_kind``); every other a process's."""
+    machine = source == "daemon" and daemon_kind(served, daemon_source) == MACHINE
     return DeadlineKind.MACHINE if machine else DeadlineKind.PROCESS
 
 

@@ -14,6 +14,7 @@ import signal
 import threading
 from typing import Any, Callable, Optional
 
+from sidecar.train.deadlines import PROCESS, Candidate, earliest
 from sidecar.train.policy import check_seconds
 
 __all__ = ["SigtermDeadline", "with_sigterm"]
@@ -61,25 +62,20 @@ class SigtermDeadline:
         received = self.received_at
         return None if received is None else received + self.grace_seconds
 
-    def earlier(
-        self, deadline: Optional[float], source: Optional[str]
-    ) -> tuple[Optional[float], Optional[str]]:
-        """The earlier of ``deadline`` and the SIGTERM's (source ``"sigterm"``), said once
-        when it came."""
+    def earlier(self, held: Optional[Candidate]) -> Optional[Candidate]:
+        """The earlier of the deadline ``held`` and the SIGTERM's (source ``"sigterm"``, a
+        process's; ``sidecar.train.deadlines.earliest``), said once when it came."""
         term = self.deadline()
         if term is None:
-            return deadline, source
+            return held
         if not self._said:
             self._said = True
             logger.warning("SIGTERM received: the machine goes in %.0f s; saving at the next "
                            "decision", max(0.0, term - self._clock()))
-        if deadline is None or term < deadline:
-            return term, "sigterm"
-        return deadline, source
+        return earliest([held, Candidate(term, "sigterm", PROCESS)])
 
 
-def with_sigterm(
-    sigterm: Optional[SigtermDeadline], deadline: Optional[float], source: Optional[str]
-) -> tuple[Optional[float], Optional[str]]:
-    """``deadline`` and its source, or the SIGTERM's when one is watched and came earlier."""
-    return (deadline, source) if sigterm is None else sigterm.earlier(deadline, source)
+def with_sigterm(sigterm: Optional[SigtermDeadline],
+                 held: Optional[Candidate]) -> Optional[Candidate]:
+    """The deadline ``held``, or the SIGTERM's when one is watched and came earlier."""
+    return held if sigterm is None else sigterm.earlier(held)

@@ -39,6 +39,7 @@ from sidecar.slurmtext import (
     parse_record,
     run_command,
 )
+from sidecar.train.deadlines import PROCESS, Candidate, earliest
 from sidecar.train.sigterm import SigtermDeadline
 
 __all__ = ["ASK_SECONDS", "COMMAND_SECONDS", "SlurmDeadline", "job_rank", "with_slurm"]
@@ -173,21 +174,19 @@ class SlurmDeadline:
 
 
 def with_slurm(slurm: Optional[SlurmDeadline], daemon_answers: bool,
-               deadline: Optional[float], source: Optional[str], *, ask: bool = False
-               ) -> tuple[Optional[float], Optional[str]]:
-    """The earlier of ``deadline`` and the Slurm job's end (source ``"slurm"``) while no
-    daemon answers; ``ask``: start an ask when one is due (else the last known end). A
-    partition GraceTime shorter than the SIGTERM grace shortens the SIGTERM deadline."""
+               held: Optional[Candidate], *, ask: bool = False) -> Optional[Candidate]:
+    """The earlier of the deadline ``held`` and the Slurm job's end (source ``"slurm"``,
+    a process's) while no daemon answers (``sidecar.train.deadlines.earliest``); ``ask``:
+    start an ask when one is due (else the last known end). A partition GraceTime shorter
+    than the SIGTERM grace shortens the SIGTERM deadline."""
     if slurm is None or daemon_answers:
-        return deadline, source
+        return held
     end = slurm.deadline() if ask else slurm.last_known
     grace, sigterm = slurm.grace_seconds, slurm.sigterm
     if sigterm is not None and grace is not None and grace < sigterm.grace_seconds:
         logger.info("SIGTERM deadline: the partition's GraceTime, %g s", grace)
         sigterm.grace_seconds = grace
-    if end is not None and (deadline is None or end < deadline):
-        return end, "slurm"
-    return deadline, source
+    return earliest([held, None if end is None else Candidate(end, "slurm", PROCESS)])
 
 
 def _one_line(exc: BaseException) -> str:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.spec import SourceSpec
-from sidecar.models import KIND_SCHEDULED_RELEASE
+from sidecar.models import DEADLINE_PROCESS, KIND_SCHEDULED_RELEASE
 from sidecar.timeparse import VOLCENGINE_TIMEZONE, TimestampError, parse_timestamp
 
 ENV_NAMES = (
@@ -69,4 +69,6 @@ def build(config: EnvConfig) -> EnvSource:
     return EnvSource(naive_timezone=config.naive_timezone)
 
 
-SPEC = SourceSpec(name="env", config=EnvConfig, build=build)
+# The capacity block's end as the job's environment gives it: a process's deadline, as the
+# guard has always read it (one save, then leave).
+SPEC = SourceSpec(name="env", config=EnvConfig, build=build, deadline_kind=DEADLINE_PROCESS)

@@ -35,7 +35,12 @@ from typing import Callable, Optional
 
 from sidecar.host.sources.base import Observation, SourceError
 from sidecar.host.sources.spec import Option, SourceSpec, SourceTraits, parse_text
-from sidecar.models import KIND_SCHEDULED_RELEASE, Notice, observation_from_notices
+from sidecar.models import (
+    DEADLINE_PROCESS,
+    KIND_SCHEDULED_RELEASE,
+    Notice,
+    observation_from_notices,
+)
 from sidecar.slurmtext import (
     JobRow,
     job_query,
@@ -168,7 +173,7 @@ def _job_id(value: str) -> str:
 
 
 SPEC = SourceSpec(
-    name="slurm", config=SlurmConfig, build=build, probe=probe,
+    name="slurm", config=SlurmConfig, build=build, probe=probe, deadline_kind=DEADLINE_PROCESS,
     summary="Slurm job time limits",
     traits=SourceTraits(poll_interval_seconds=POLL_INTERVAL_SECONDS, adaptive=True),
     options=(

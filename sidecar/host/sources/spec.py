@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 from sidecar.host.sources.base import Source, SourceTraits
+from sidecar.models import DEADLINE_MACHINE, DEADLINE_PROCESS
 
 __all__ = ["ENV_PREFIX", "Option", "SourceSpec", "SourceTraits", "parse_boolean", "parse_text",
            "parse_url"]
@@ -71,6 +72,13 @@ class SourceSpec(Generic[C]):
     notice_seconds: Optional[float] = None
     # The --help heading of its options (default: "the NAME source").
     group: str = ""
+    # Whose end its deadline is, served as ``deadline_kind`` (sidecar.models.Expiry):
+    # "machine" (a release or reclaim) or "process" (a Slurm time limit, an environment's).
+    deadline_kind: str = DEADLINE_MACHINE
+
+    def __post_init__(self) -> None:
+        if self.deadline_kind not in (DEADLINE_MACHINE, DEADLINE_PROCESS):
+            raise ValueError(f"{self.name}: deadline_kind must be machine or process")
 
     @property
     def settings_group(self) -> str:
