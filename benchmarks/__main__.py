@@ -153,6 +153,12 @@ def _restore(quick: bool) -> dict[str, Any]:
     return bench_restore.main(quick=quick)
 
 
+def _resume(quick: bool) -> dict[str, Any]:
+    from benchmarks import bench_resume
+
+    return bench_resume.run(repeats=3 if quick else 10, mib=64 if quick else 1024)
+
+
 def _soak(quick: bool) -> dict[str, Any]:
     from benchmarks.bench_soak import main
 
@@ -180,6 +186,8 @@ BENCHMARKS = (
               "after it, and unchanged files (volume, moto)", _stream),
     Benchmark("restore", "restore from a volume vs cp -r, from S3 (moto) vs boto3 "
               "download_file, cold caches", _restore),
+    Benchmark("resume", "the checkpoint waiting: esi-sidecar run to the job's command vs the "
+              "command started directly (1 GiB put in place by the follower)", _resume),
     Benchmark("soak", "the daemon for 10 min: 64 keep-alive clients, hostile connections, "
               "rotating cloud faults", _soak),
 )
