@@ -216,6 +216,19 @@ def test_host_side_never_imports_tools_integrations_or_the_cli() -> None:
     assert broken == []
 
 
+# The repository's scripts (tools/: docs/simulation.md's writer among them) are not in the
+# wheel (issue 38, item 4): nothing the wheel ships imports one.
+SCRIPTS = PACKAGE_ROOT.parent / "tools"
+
+
+def test_nothing_in_the_package_imports_the_repositorys_scripts() -> None:
+    scripts = {path.stem for path in SCRIPTS.glob("*.py")}
+    assert {"simulation_report", "simulation_heavy"} <= scripts
+    broken = [_where(i) for i in IMPORTS
+              if i.target.split(".")[0] in scripts or _in(i.target, "tools")]
+    assert broken == []
+
+
 def test_inside_the_host_side_data_flows_one_way() -> None:
     broken = []
     for found in IMPORTS:

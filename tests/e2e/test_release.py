@@ -198,6 +198,17 @@ def test_the_wheel_carries_the_types_the_unit_and_the_env_example(release: Relea
     assert requires and all("extra ==" in line for line in requires), requires
 
 
+def test_the_wheel_leaves_the_document_generators_to_the_repository(release: Release) -> None:
+    # docs/simulation.md's writer is a repository script (issue 38, item 4); the wheel keeps
+    # the simulator, its table, CSV and plot.
+    with zipfile.ZipFile(release.wheel) as archive:
+        names = set(archive.namelist())
+    assert "sidecar/tools/simulate/table.py" in names
+    assert not [name for name in names if name.startswith("tools/")
+                or name.rsplit("/", 1)[-1] in ("simulation_report.py", "simulation_heavy.py",
+                                               "report.py", "report_heavy.py")]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("twine") is None,
                     reason="twine is not installed (pip install -e '.[test]' adds it)")
 def test_twine_check_passes(release: Release) -> None:

@@ -24,9 +24,13 @@ from sidecar.tools.simulate.policies import (
     VerlPolicy,
     WorstCasePolicy,
 )
-from sidecar.tools.simulate.report import INFEASIBLE, render_table, targets
+from sidecar.tools.simulate.table import INFEASIBLE, render_table, targets
 from sidecar.tools.simulate.workloads import WORKLOADS, DeadlineChange, Workload, get_workload
 from sidecar.train.policy import SavePolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import simulation_report  # noqa: E402  (docs/simulation.md's writer, not in the wheel)
 
 REFERENCE = [name for name, workload in WORKLOADS.items() if not workload.stress]
 SEEDS = 50
@@ -313,8 +317,9 @@ def _cli(*argv: str) -> int:
 def test_cli_writes_markdown_csv_and_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = _cli("--seeds", "3", "--workload", "steady", "--workload", "spot-notice-30s",
-                "--policy", "sidecar", "--policy", "verl", "--out", str(tmp_path))
+    code = simulation_report.main(["--seeds", "3", "--workload", "steady",
+                                   "--workload", "spot-notice-30s", "--policy", "sidecar",
+                                   "--policy", "verl", "--out", str(tmp_path)])
     assert code == 0
     doc = (tmp_path / "simulation.md").read_text()
     assert "![" in doc and "(simulation.png)" in doc and "| steady | sidecar |" in doc
@@ -332,13 +337,36 @@ def test_cli_writes_markdown_csv_and_png(
 
 
 def test_cli_no_plot_and_stdout_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _cli("--seeds", "2", "--workload", "steady", "--out", str(tmp_path), "--no-plot") == 0
+    assert simulation_report.main(["--seeds", "2", "--workload", "steady",
+                                   "--out", str(tmp_path), "--no-plot"]) == 0
     assert not (tmp_path / "simulation.png").exists()
     assert "simulation.png" not in (tmp_path / "simulation.md").read_text()
     capsys.readouterr()
     assert _cli("--seeds", "2", "--workload", "steady", "--policy", "periodic-15") == 0
     out = capsys.readouterr().out
     assert out.startswith("| workload | policy |") and "| steady | periodic-15 |" in out
+
+
+def test_cli_out_writes_the_csv_and_plot_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 38, item 4: docs/simulation.md is the repository script's; the command's --out
+    writes what the wheel can: the CSV and the plot."""
+    assert _cli("--seeds", "2", "--workload", "steady", "--policy", "sidecar",
+                "--out", str(tmp_path)) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["simulation.csv", "simulation.png"]
+    assert capsys.readouterr().out.split() == [str(tmp_path / "simulation.csv"),
+                                               str(tmp_path / "simulation.png")]
+    # Its help says so and where the document comes from; the document's options are the
+    # script's.
+    with pytest.raises(SystemExit) as exc:
+        _cli("--help")
+    assert exc.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "python tools/simulation_report.py --out docs/" in help_text
+    assert "simulation.csv and simulation.png into DIR, not simulation.md" in help_text
+    with pytest.raises(SystemExit) as exc:
+        _cli("--out", str(tmp_path), "--top-up-sweep")
+    assert exc.value.code == 2
 
 
 def test_cli_list_names_every_workload_and_policy(capsys: pytest.CaptureFixture[str]) -> None:

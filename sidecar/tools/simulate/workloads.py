@@ -326,7 +326,7 @@ WORKLOADS: dict[str, Workload] = {
 # Issue 23: a node's share of the checkpoint takes minutes to save or to upload, so no
 # top-up fits after the final save and the margin is idle time. Apart from WORKLOADS, so
 # the main document and its tests keep their reference set; docs/simulation.md's
-# "Choosing the margin" and "Late saves" run them (report_heavy.py). The job resumed from
+# "Choosing the margin" and "Late saves" run them (tools/simulation_heavy.py). The job resumed from
 # a checkpoint holding the guard's state: it meets the deadline with 5 measured saves.
 HEAVY_WORKLOADS: dict[str, Workload] = {
     w.name: w

@@ -1,77 +1,48 @@
-"""Results as a markdown document, a CSV file and a PNG plot.
+"""Writes docs/simulation.md, simulation.csv and simulation.png (not in the wheel).
 
-The whole of docs/simulation.md is rendered here (text, table and headline), so that
-re-running ``esi-sidecar simulate --out docs`` keeps prose and numbers in step.
-matplotlib is imported only by :func:`write_plot`: the core stays stdlib-only.
+    python tools/simulation_report.py --out docs/      # 200 seeds: the report's numbers
+    python tools/simulation_report.py --seeds 3 --workload steady --out /tmp/sim
+
+The whole document is rendered here (text, tables and headline), so that re-running it
+keeps prose and numbers in step; simulation_heavy.py appends the "Heavy checkpoints"
+section. The engine, the policies, the workloads, the table, the CSV and the plot are the
+``esi-sidecar simulate`` command's (``sidecar/tools/simulate/``).
 """
 
 from __future__ import annotations
 
-import csv
-import io
+import argparse
+import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result
+from simulation_heavy import HEAVY_SECTION_WORKLOADS, run_heavy, write_heavy_section
+
+from sidecar.tools.simulate.command import (
+    REPORT_SEEDS,
+    add_run_arguments,
+    matplotlib_missing,
+    progress,
+    run_selected,
+)
+from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result, top_up_sweep
 from sidecar.tools.simulate.policies import POLICIES
-from sidecar.tools.simulate.workloads import WORKLOADS, get_workload
+from sidecar.tools.simulate.table import (
+    INFEASIBLE,
+    PLOT_POLICIES,
+    feasible_text,
+    is_stress,
+    minutes,
+    misses_text,
+    render_table,
+    targets,
+    write_results,
+)
+from sidecar.tools.simulate.workloads import WORKLOADS
 from sidecar.train.policy import DEFAULT_TOP_UP_SECONDS
 
-__all__ = [
-    "Target",
-    "render_document",
-    "render_sweep",
-    "render_table",
-    "render_targets",
-    "targets",
-    "write_csv",
-    "write_outputs",
-    "write_plot",
-]
-
-INFEASIBLE = "lead time < step + save + upload"
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f}"
-
-
-def feasible_text(result: Result) -> str:
-    text = f"{result.feasible_runs}/{result.runs}"
-    return text if result.feasible_runs else f"{text}: {INFEASIBLE}"
-
-
-def _misses_text(result: Result) -> str:
-    if not result.feasible_runs:
-        return f"({result.infeasible_misses} infeasible)"
-    text = str(result.misses)
-    return text + (f" (+{result.infeasible_misses} infeasible)" if result.infeasible_misses else "")
-
-
-def render_table(results: Sequence[Result]) -> str:
-    """One row per (workload, policy): the table printed by the CLI and kept in the doc."""
-    lines = [
-        "| workload | policy | feasible runs | missed | lost min (median / mean / p95 / max) "
-        "| saves | saves in final window (mean / max) | cut by reclaim | saving min | idle min |",
-        "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lost = (f"{_minutes(r.lost_median_seconds)} / {_minutes(r.lost_mean_seconds)} / "
-                f"{_minutes(r.lost_p95_seconds)} / {_minutes(r.lost_max_seconds)}")
-        lines.append(
-            f"| {r.workload} | {r.policy} | {feasible_text(r)} | {_misses_text(r)} | {lost} "
-            f"| {r.saves_mean:.2f} | {r.window_saves_mean:.2f} / {r.window_saves_max} "
-            f"| {r.interrupted_saves} | {_minutes(r.saving_mean_seconds)} "
-            f"| {_minutes(r.idle_mean_seconds)} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _is_stress(name: str) -> bool:
-    workload = WORKLOADS.get(name)
-    return workload is not None and bool(workload.stress)
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def _saves(count: int) -> str:
@@ -93,8 +64,8 @@ def render_summary(results: Sequence[Result]) -> str:
     ]
     for policy in dict.fromkeys(r.policy for r in results):
         mine = [r for r in results if r.policy == policy]
-        ref = [r for r in mine if not _is_stress(r.workload)]
-        stress = [r for r in mine if _is_stress(r.workload)]
+        ref = [r for r in mine if not is_stress(r.workload)]
+        stress = [r for r in mine if is_stress(r.workload)]
         feasible = [r for r in ref if r.feasible_runs]
         lost = _mean([r.lost_median_seconds for r in feasible])
         idle = _mean([r.idle_mean_seconds for r in feasible])
@@ -108,57 +79,10 @@ def render_summary(results: Sequence[Result]) -> str:
 
         lines.append(
             f"| {policy} | {tally(ref)} | {tally(stress)} "
-            f"| {sum(r.infeasible_runs for r in mine)} | {_minutes(lost)} | {_minutes(idle)} "
+            f"| {sum(r.infeasible_runs for r in mine)} | {minutes(lost)} | {minutes(idle)} "
             f"| {window:.2f} / {window_max} |"
         )
     return "\n".join(lines) + "\n"
-
-
-@dataclass(frozen=True)
-class Target:
-    """The top-up target on one workload: median GPU time lost per reclaim no more than
-    the oracle's + one step + 10 % (of the oracle's), no miss, at most two saves."""
-
-    workload: str
-    oracle_seconds: float
-    step_seconds: float
-    policy_seconds: float
-    misses: int
-    window_saves_max: int
-
-    @property
-    def limit_seconds(self) -> float:
-        return self.oracle_seconds * (1 + TARGET_SLACK) + self.step_seconds
-
-    @property
-    def met(self) -> bool:
-        return (self.policy_seconds <= self.limit_seconds and self.misses == 0
-                and self.window_saves_max <= 2)
-
-
-TARGET_SLACK = 0.10
-
-
-def targets(results: Sequence[Result], policy: str = "sidecar",
-            workloads: Optional[Sequence[str]] = None) -> list[Target]:
-    """The target per workload where both ``policy`` and the oracle ran and runs were
-    feasible: the reference workloads, in the order run, or ``workloads`` (stress ones
-    included) in that order."""
-    by_key = {(r.workload, r.policy): r for r in results}
-    names = workloads if workloads is not None else [
-        name for name in dict.fromkeys(r.workload for r in results) if not _is_stress(name)]
-    rows = []
-    for name in names:
-        ours, oracle = by_key.get((name, policy)), by_key.get((name, "oracle"))
-        if ours is None or oracle is None or not ours.feasible_runs:
-            continue
-        rows.append(Target(
-            workload=name, oracle_seconds=oracle.lost_median_seconds,
-            step_seconds=get_workload(name).step_seconds,
-            policy_seconds=ours.lost_median_seconds, misses=ours.misses,
-            window_saves_max=ours.window_saves_max,
-        ))
-    return rows
 
 
 def render_targets(results: Sequence[Result], policy: str = "sidecar") -> str:
@@ -219,8 +143,8 @@ def render_short_notices(results: Sequence[Result]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.workload} | {r.policy} | {feasible_text(r)} | {_misses_text(r)} "
-            f"| {_minutes(r.lost_median_seconds)} | {r.saves_mean:.2f} | {r.interrupted_saves} |"
+            f"| {r.workload} | {r.policy} | {feasible_text(r)} | {misses_text(r)} "
+            f"| {minutes(r.lost_median_seconds)} | {r.saves_mean:.2f} | {r.interrupted_saves} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -279,7 +203,7 @@ def headline(results: Sequence[Result]) -> list[str]:
                                      not name.startswith("verl"), name == "oracle"))
     for policy in order:
         mine = [r for r in results if r.policy == policy and r.feasible_runs]
-        ref = [r for r in mine if not _is_stress(r.workload)]
+        ref = [r for r in mine if not is_stress(r.workload)]
         parts = []
         if ref:
             text = (
@@ -291,92 +215,17 @@ def headline(results: Sequence[Result]) -> list[str]:
                 text += f" (worst: {worst.misses}/{worst.feasible_runs} on {worst.workload})"
             parts.append(text)
             parts.append(
-                f"{_minutes(_mean([r.lost_median_seconds for r in ref]))} min lost per reclaim "
-                f"(median), {_minutes(_mean([r.idle_mean_seconds for r in ref]))} min idle, "
+                f"{minutes(_mean([r.lost_median_seconds for r in ref]))} min lost per reclaim "
+                f"(median), {minutes(_mean([r.idle_mean_seconds for r in ref]))} min idle, "
                 f"up to {_saves(max(r.window_saves_max for r in ref))} per deadline"
             )
-        stress = [r for r in mine if _is_stress(r.workload)]
+        stress = [r for r in mine if is_stress(r.workload)]
         if stress:
             parts.append("stress: " + ", ".join(
                 f"{r.misses}/{r.feasible_runs} missed on {r.workload}" for r in stress
             ))
         lines.append(f"- **{policy}**: " + "; ".join(parts) + ".")
     return lines
-
-
-def write_csv(results: Sequence[Result], path: Path) -> None:
-    buffer = io.StringIO()
-    names = [*asdict(results[0]), "feasible"] if results else []
-    writer = csv.DictWriter(buffer, fieldnames=names, lineterminator="\n")
-    writer.writeheader()
-    for r in results:
-        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(r).items()}
-        row["feasible"] = feasible_text(r)
-        writer.writerow(row)
-    path.write_text(buffer.getvalue())
-
-
-# The policies the plot shows when they were run (the sidecar's variants differ from it on
-# a few workloads only: the tables show them); any other run is plotted whole.
-PLOT_POLICIES = ("periodic-30", "verl", "sidecar-previous", "sidecar", "sidecar+periodic-30",
-                 "oracle")
-
-
-def write_plot(results: Sequence[Result], path: Path) -> None:
-    """Lost minutes per reclaim, one group of bars per workload; value and misses on bars.
-
-    Horizontal bars on a symlog axis: losses span 0 (the sidecar) to hours (a lost
-    final save), and every bar carries its number so a zero stays visible. Only
-    ``PLOT_POLICIES`` when at least two of them were run.
-    """
-    import matplotlib  # lazily: only the plot needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(dict.fromkeys(r.workload for r in results))
-    policies = list(dict.fromkeys(r.policy for r in results))
-    shown = [p for p in PLOT_POLICIES if p in policies]
-    policies = shown if len(shown) >= 2 else policies
-    by_key = {(r.workload, r.policy): r for r in results}
-    height = 0.8 / len(policies)
-    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.16 * len(workloads) * len(policies)))
-    colors = plt.get_cmap("tab10")
-    for p_index, policy in enumerate(policies):
-        ys, values = [], []
-        for w_index, workload in enumerate(workloads):
-            result = by_key.get((workload, policy))
-            if result is None:
-                continue
-            y = w_index + (p_index - (len(policies) - 1) / 2) * height
-            value = result.lost_median_seconds / 60
-            ys.append(y)
-            values.append(value)
-            misses = result.misses if result.feasible_runs else result.infeasible_misses
-            label = f"{value:.1f} min"
-            if misses:
-                label += f", {misses}/{result.runs} missed"
-            if not result.feasible_runs:
-                label += " (infeasible)"
-            ax.text(value * 1.08 + 0.02, y, label, va="center", fontsize=7)
-        ax.barh(ys, values, height=height * 0.9, color=colors(p_index % 10), label=policy)
-    ax.set_xscale("symlog", linthresh=1.0)
-    ax.set_xlim(0, 2000)
-    ax.set_yticks(range(len(workloads)))
-    ax.set_yticklabels(
-        [w + (" (stress)" if _is_stress(w) else "") for w in workloads], fontsize=9
-    )
-    ax.invert_yaxis()
-    ax.set_xlabel("median GPU minutes lost per reclaim (per GPU; symlog scale)")
-    ax.set_title("Work lost at the reclaim, by workload and policy (text: missed deadlines)",
-                 pad=22)
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=min(len(policies), 6),
-              fontsize=8,
-              frameon=False, handlelength=1.2, columnspacing=1.0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def render_document(
@@ -432,12 +281,7 @@ def write_outputs(
     sweep: Sequence[Result] = (),
 ) -> list[Path]:
     """Write simulation.md, simulation.csv and (with ``plot``) simulation.png into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / "simulation.md", out / "simulation.csv"]
-    if plot:
-        write_plot(results, out / "simulation.png")
-        written.append(out / "simulation.png")
-    write_csv(results, out / "simulation.csv")
+    written = [out / "simulation.md", *write_results(results, out, plot=plot)]
     written[0].write_text(
         render_document(
             results,
@@ -450,11 +294,51 @@ def write_outputs(
     return written
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python tools/simulation_report.py",
+        description="Run the simulator for docs/simulation.md and write it with its CSV and "
+        "plot: the main runs, the top-up sweep and the heavy checkpoints' section.",
+    )
+    add_run_arguments(parser, seeds_help=f"runs per workload and policy (default "
+                      f"{REPORT_SEEDS})")
+    parser.add_argument("--out", type=Path, default=DOCS, metavar="DIR",
+                        help="write simulation.md/.csv/.png into DIR (default: docs/)")
+    parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                        help="draw simulation.png (default: yes)")
+    parser.add_argument("--top-up-sweep", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the sidecar with several top-up margins, the runs "
+                        "behind the default (default: yes)")
+    args = parser.parse_args(argv)
+    if args.plot and matplotlib_missing(parser.prog):
+        return 2
+    if args.seeds is None:
+        args.seeds = REPORT_SEEDS
+    results = run_selected(args, quick=False)
+    sweep = []
+    if args.top_up_sweep:
+        sweep = top_up_sweep(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
+                             progress=progress(f"top-up margins x {args.seeds} seeds",
+                                               [w.name for w in WORKLOADS.values()
+                                                if not w.stress]))
+    heavy = run_heavy(args.seeds, args.seed0, notice_delay_seconds=args.notice_delay,
+                      progress=progress(f"heavy checkpoints x {args.seeds} seeds",
+                                        list(HEAVY_SECTION_WORKLOADS)))
+    written = write_outputs(results, args.out, seeds=args.seeds,
+                            notice_delay_seconds=args.notice_delay, plot=args.plot, sweep=sweep)
+    write_heavy_section(written[0], heavy, args.seeds)
+    for path in written:
+        print(path)
+    return 0
+
+
 _TEMPLATE = """\
 # Simulation: saving before the release, policy by policy
 
-Generated by `esi-sidecar simulate --out docs` ({seeds} seeds per workload and policy,
-notice delay {delay} s). Do not edit by hand: change `sidecar/tools/simulate/` and re-run.
+Generated by `python tools/simulation_report.py --out docs/` ({seeds} seeds per workload
+and policy, notice delay {delay} s). Do not edit by hand: change `sidecar/tools/simulate/`
+or the script and re-run. (`esi-sidecar simulate --out DIR` writes the CSV and the plot
+only.)
 
 ## Headline
 
@@ -621,3 +505,7 @@ upload in the budget, no top-up, the job exits after its final save.
   travel with the checkpoint, `CheckpointGuard.state_dict()`). A spike rarer than the
   step window (100 steps) is forgotten by the estimate; a longer `window` keeps it.
 """.replace("{infeasible}", INFEASIBLE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

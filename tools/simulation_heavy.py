@@ -1,11 +1,13 @@
 """docs/simulation.md's "Heavy checkpoints" section: the margin and late saves, measured.
 
+Not in the wheel: simulation_report.py runs it and appends the section it renders.
+
 Issue 23, items 4 and 5: where a save or an upload takes minutes, the fixed 120 s margin
 is idle time and a short notice leaves no room for a padded save. The section runs the
 heavy workloads (kept apart from WORKLOADS, so the main tables keep their reference set)
 and the two upload stress workloads under the policies that differ in the margin and in
-late saves, and states the defaults from the figures it computed. report.py renders the
-rest of the document; the CLI appends this section to it (``write_heavy_section``).
+late saves, and states the defaults from the figures it computed. simulation_report.py
+renders the rest of the document and appends this section to it (``write_heavy_section``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from sidecar.tools.simulate.engine import DEFAULT_NOTICE_DELAY_SECONDS, Result, run
-from sidecar.tools.simulate.report import Target, targets
+from sidecar.tools.simulate.table import Target, targets
 from sidecar.tools.simulate.workloads import HEAVY_WORKLOADS
 
 __all__ = [
@@ -319,6 +321,6 @@ def render_heavy(results: Sequence[Result], seeds: int) -> str:
 
 
 def write_heavy_section(path: Path, results: Sequence[Result], seeds: int) -> None:
-    """Append the section to the document ``path`` that report.py wrote."""
+    """Append the section to the document ``path`` that simulation_report.py wrote."""
     with path.open("a") as handle:
         handle.write(render_heavy(results, seeds))
