@@ -90,6 +90,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if relative in SERIAL_GROUPS:
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS[relative]))
+        elif "booted_systemd" in getattr(item, "fixturenames", ()):
+            # systemd as PID 1 of new namespaces, but in the host's network namespace: each
+            # starts the service on the default 127.0.0.1:8791, so two at once collide.
+            item.add_marker(pytest.mark.xdist_group("systemd"))
 
 
 @pytest.fixture

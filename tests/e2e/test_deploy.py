@@ -14,9 +14,11 @@ seconds. ``test_full_install_from_the_package_index`` does the real ``pip instal
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -742,10 +744,19 @@ def cgroup2_mount() -> Path | None:
     return None
 
 
-def remove_cgroup(path: Path) -> None:
-    for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        child.rmdir()
-    path.rmdir()
+def remove_cgroup(path: Path) -> bool:
+    """Remove a cgroup and its children; False while the kernel still holds one (EBUSY:
+    its last processes have exited but are not yet released), so the caller waits."""
+    try:
+        for child in sorted((p for p in path.rglob("*") if p.is_dir()),
+                            key=lambda p: -len(p.parts)):
+            child.rmdir()
+        path.rmdir()
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return False
+        raise
+    return True
 
 
 @dataclass
@@ -790,7 +801,8 @@ def booted_systemd(tmp_path: Path) -> Iterator[BootedSystemd]:
     reason = _systemd_preconditions()
     if reason:
         pytest.skip(reason)
-    cgroup = cgroup2_mount() / f"esi-sidecar-test-{os.getpid()}"  # type: ignore[operator]
+    # One per test, never reused: the tests of one worker boot one after another.
+    cgroup = cgroup2_mount() / f"esi-sidecar-test-{os.getpid()}-{secrets.token_hex(4)}"  # type: ignore[operator]
     cgroup.mkdir()
     script = tmp_path / "boot.sh"
     script.write_text(BOOT_SCRIPT)
@@ -833,7 +845,7 @@ def booted_systemd(tmp_path: Path) -> Iterator[BootedSystemd]:
         wait_for(lambda: not (cgroup / "cgroup.procs").read_text().strip()
                  and all(not (p / "cgroup.procs").read_text().strip()
                          for p in cgroup.rglob("*") if p.is_dir()), timeout=30)
-        remove_cgroup(cgroup)
+        wait_for(lambda: remove_cgroup(cgroup), timeout=30)
 
 
 def test_install_sh_under_real_systemd(booted_systemd: BootedSystemd, tmp_path: Path) -> None:

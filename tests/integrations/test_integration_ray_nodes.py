@@ -21,6 +21,9 @@ from sidecar.train.guard import CheckpointGuard
 
 AK, SK = "AKLTraytest00000001", "ray-test-secret"
 NODES = 3
+# Each node's release, as set on its emulator (Unix seconds, this machine's clock): the
+# served deadline is compared with it, not with a remaining time read seconds later.
+RELEASES: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,7 @@ def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Emulator, Any,
             emu = stack.enter_context(Emulator(access_key=AK, secret_key=SK,
                                                instance_id=f"i-node{index}"))
             emu.set_release_in(3600 * (index + 1))
+            RELEASES[f"i-node{index}"] = time.time() + 3600 * (index + 1)
             own = stack.enter_context(ExitStack())  # closed early to kill this daemon
             daemon = own.enter_context(serve_daemon(api_endpoint=emu.url,
                                                     metadata_url=emu.url))
@@ -73,7 +77,7 @@ def test_the_earliest_node_wins_a_move_is_seen_and_a_dead_daemon_keeps_its_deadl
         assert len(deadlines.urls) == NODES and first.stale is False
         placement = deadlines.placement  # one actor on every node, each on its own
         assert len(placement) == NODES and all(k == v for k, v in placement.items())
-        assert abs((first.remaining_seconds or 0) - 3600) < 5
+        assert abs((first.expires_at_unix or 0) - RELEASES["i-node0"]) < 5
 
         # The third node's release moves before everyone else's: seen on the next ask.
         nodes[2][0].set_release_in(600)
