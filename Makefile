@@ -61,7 +61,7 @@ WORKERS ?= 4
 PYTEST  := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -p xdist --dist loadgroup
 
 test-fast: $(ALL)
-	$(PYTEST) -n 2 $(FAST)
+	$(PYTEST) -n $(WORKERS) $(FAST)
 
 test: $(ALL) $(VERL)
 	$(PYTEST) -n $(WORKERS) $(FAST)
