@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import test_deploy
+from conftest import PRIVATE_TMP_SKIP
 from daemon_harness import fetch_json
 from deploy_support import validate_kubernetes
 from test_deploy import ENV_FILE, EXPIRES_AT, SYSTEMD_PATH, BootedSystemd, clean_environ, free_port
@@ -175,6 +176,8 @@ def test_the_host_block_runs_a_healthy_service_with_a_python_under_roots_home(
     (a .pth, so pip needs no index for the dependencies); the settings are written first
     (a static deadline on a free port; the README says to edit them), and curl asks that
     port."""
+    if Path(sysconfig.get_paths()["purelib"]).resolve().is_relative_to("/tmp"):
+        pytest.skip(PRIVATE_TMP_SKIP)
     base_bin = os.path.dirname(os.path.realpath(sys._base_executable))  # type: ignore[attr-defined]
     if not base_bin.startswith(("/root/", "/home/")):
         pytest.skip(f"this test's Python ({base_bin}) is not under a home folder")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import test_deploy
+from conftest import PRIVATE_TMP_SKIP
 from daemon_harness import fetch_json
 from deploy_support import unit_directives
 from test_deploy import (
@@ -314,6 +315,8 @@ def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
     (this test's own base interpreter). Under a real systemd as PID 1 `esi-sidecar
     install` writes a unit that binds just those two folders in, read-only, and the
     service starts, says READY=1 and answers /healthz (issue 39, item 2)."""
+    if Path(sysconfig.get_paths()["purelib"]).resolve().is_relative_to("/tmp"):
+        pytest.skip(PRIVATE_TMP_SKIP)
     base = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
     if not in_home(base):
         pytest.skip(f"this test's Python ({base}) is not under a home folder")
