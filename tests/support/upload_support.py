@@ -22,9 +22,11 @@ from moto.server import ThreadedMotoServer
 from sidecar.checkpoint.folders import CheckpointInfo, atomic_checkpoint
 from sidecar.checkpoint.manifest import MANIFEST_NAME
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.status import UploadRecord
 from sidecar.host.upload.storage import make_client
 from sidecar.host.upload.storage_config import StorageConfig
 from sidecar.host.upload.transfer import S3Destination
+from sidecar.host.upload.uploader import Destination, Uploader, UploaderConfig
 
 __all__ = ["ACCESS_KEY", "MIB", "SECRET_KEY", "S3Server", "isolate_aws_env", "make_checkpoint",
            "running_s3", "wait_for"]
@@ -137,3 +139,25 @@ def commit_to_s3(s3: S3Server, location: S3Location, info: CheckpointInfo,
     destination.upload(info, (info.path / MANIFEST_NAME).read_bytes(),
                        on_progress=lambda count: None, should_stop=lambda: None,
                        before_manifest=lambda: None, durable=durable)
+
+
+@contextmanager
+def uploading(local: Path, destination: Destination) -> Iterator[Uploader]:
+    """The real uploader from ``local`` to ``destination``, rescanning every 0.1 s."""
+    config = UploaderConfig(root=local, location=None, scan_interval_seconds=0.1,
+                            backoff_base_seconds=0.05, backoff_cap_seconds=0.4)
+    uploader = Uploader(config, destination=destination)
+    uploader.start()
+    try:
+        yield uploader
+    finally:
+        uploader.stop(timeout=5)
+
+
+def record(uploader: Uploader, name: str) -> Optional[UploadRecord]:
+    return uploader.tracker.get(name)
+
+
+def state(uploader: Uploader, name: str) -> Optional[str]:
+    found = record(uploader, name)
+    return None if found is None else found.state

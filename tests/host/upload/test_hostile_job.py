@@ -13,19 +13,19 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 from daemon_harness import wait_for
+from upload_support import record, state, uploading
 
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.checkpoint.manifest import UPLOADING_MARKER, CheckpointInfo
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.upload.identity import VOLUME_MARKER
 from sidecar.host.upload.status import UploadRecord, UploadTracker
-from sidecar.host.upload.uploader import Destination, Uploader, UploaderConfig
+from sidecar.host.upload.uploader import Uploader, UploaderConfig
 from sidecar.host.upload.volume import VolumeDestination
 
 REPO = Path(__file__).resolve().parents[3]
@@ -75,26 +75,6 @@ def save(root: Path, step: int, files: dict[str, bytes], *,
     assert checkpoint.info is not None
     return checkpoint.info
 
-
-@contextmanager
-def uploading(local: Path, destination: Destination) -> Iterator[Uploader]:
-    config = UploaderConfig(root=local, location=None, scan_interval_seconds=0.1,
-                            backoff_base_seconds=0.05, backoff_cap_seconds=0.4)
-    uploader = Uploader(config, destination=destination)
-    uploader.start()
-    try:
-        yield uploader
-    finally:
-        uploader.stop(timeout=5)
-
-
-def record(uploader: Uploader, name: str) -> Optional[UploadRecord]:
-    return uploader.tracker.get(name)
-
-
-def state(uploader: Uploader, name: str) -> Optional[str]:
-    found = record(uploader, name)
-    return None if found is None else found.state
 
 
 def settled(uploader: Uploader, name: str) -> Optional[str]:

@@ -14,19 +14,17 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from daemon_harness import wait_for
+from upload_support import record, state, uploading
 
 from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo, Invalid
 from sidecar.host.upload.identity import VOLUME_MARKER
 from sidecar.host.upload.status import UploadRecord
-from sidecar.host.upload.uploader import Uploader, UploaderConfig
 from sidecar.host.upload.volume import (
     COPY_ATTEMPTS,
     RestoreError,
@@ -52,26 +50,6 @@ def save(root: Path, step: int, files: dict[str, bytes]) -> CheckpointInfo:
 def manifest_of(info: CheckpointInfo) -> bytes:
     return (info.path / MANIFEST_NAME).read_bytes()
 
-
-@contextmanager
-def uploading(local: Path, destination: VolumeDestination) -> Iterator[Uploader]:
-    config = UploaderConfig(root=local, location=None, scan_interval_seconds=0.1,
-                            backoff_base_seconds=0.05, backoff_cap_seconds=0.4)
-    uploader = Uploader(config, destination=destination)
-    uploader.start()
-    try:
-        yield uploader
-    finally:
-        uploader.stop(timeout=5)
-
-
-def record(uploader: Uploader, name: str) -> Optional[UploadRecord]:
-    return uploader.tracker.get(name)
-
-
-def state(uploader: Uploader, name: str) -> Optional[str]:
-    found = record(uploader, name)
-    return None if found is None else found.state
 
 
 def every_byte(folder: Path) -> bytes:
