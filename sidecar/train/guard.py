@@ -239,6 +239,7 @@ class CheckpointGuard:
         # None until one of them ran; written by _agree() only.
         self._agreed: Optional[Verdict] = None
         self._last_save_decision: Optional[PolicyDecision] = None  # should_save()'s
+        self._asked_unix: Optional[float] = None  # when should_save() decided it
         self._stopping = False  # the last should_stop() said stop
         self._warned_internal = False
         self._notes = DecisionNotes(logger, self._events)
@@ -378,6 +379,10 @@ class CheckpointGuard:
         self._routine.saved(started_unix)  # any save restarts the routine interval
         # The rule's own save (a routine or fallback save is for no deadline).
         rule = None if asked is None or asked.routine or asked.fallback else asked
+        if rule is not None and rule.save_now and self._asked_unix is not None:
+            # It started no earlier than it was asked: a caller's wider timing must not
+            # shrink its cover below the deadline the asking decision saw.
+            started_unix = max(started_unix, self._asked_unix)
         self.policy.record_save(
             seconds, started_unix=started_unix, deadline_unix=deadline_unix,
             budget_seconds=budget, fallback=asked is not None and asked.fallback,
@@ -438,6 +443,7 @@ class CheckpointGuard:
         """Save now? At most once per deadline. Collective when a reducer is set."""
         decision, deadline = self._agree()
         self._last_save_decision = decision
+        self._asked_unix = self._clock()
         self._notes.decided(decision, deadline, self.sigterm, self._upload.seconds(),
                             self._clock())
         return decision.save_now

@@ -841,3 +841,23 @@ def test_auto_late_saves_follow_whose_deadline_it_is(monkeypatch: pytest.MonkeyP
         wait_for(lambda: client.deadline_unix() is not None)
         decision = late_save_asked(client, {})
         assert decision is not None and decision.too_late and not decision.save_now
+
+
+def test_a_save_timed_by_its_caller_covers_the_deadline_of_the_decision_that_asked() -> None:
+    """``record_save(seconds)`` takes the save to have started ``seconds`` ago, which can be
+    before ``should_save()`` asked for it (a save timed from a wider span). The final save
+    still covers the deadline its decision saw: no second final save (a CI run saved twice
+    for one drill, the decision at remaining == budget)."""
+    now = time.time()
+    wall = [now]
+    with static_daemon(now + 220.99) as daemon:  # 1 s step + 100 s save + 120 s margin
+        guard = simple_guard(SidecarClient(daemon.url),
+                             policy=SavePolicy(save_seconds=100.0, top_up_seconds=None),
+                             clock=lambda: wall[0])
+        guard.record_step(1.0)
+        assert guard.should_save() is True
+        assert guard.last_decision is not None and guard.last_decision.budget_seconds == 221.0
+        guard.record_save(30.0, step=1)  # "started" 30 s before it was asked
+        guard.record_step(1.0)  # a step after it: only the final save's cover holds
+        assert guard.should_save() is False
+        assert guard.should_stop() is True
