@@ -9,19 +9,31 @@ drift apart. A source's own rows come from its module's spec (sidecar.host.sourc
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import math
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from datetime import timedelta, timezone, tzinfo
+from datetime import timezone, tzinfo
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 from sidecar.host.schedule import DEFAULT_MAX_API_RATE
+from sidecar.host.setting_parsers import (
+    is_loopback_url,
+    parse_address,
+    parse_addresses,
+    parse_addressing_style,
+    parse_api_rate,
+    parse_bandwidth,
+    parse_destination,
+    parse_log_level,
+    parse_part_size,
+    parse_poll_schedule,
+    parse_positive_int,
+    parse_positive_seconds,
+    parse_token,
+    parse_zone,
+)
 from sidecar.host.sources import registry
 from sidecar.host.sources.spec import ENV_PREFIX, Option, parse_boolean
 from sidecar.host.sources.spec import parse_text as _text
@@ -138,73 +150,15 @@ class Settings:
     def emulated_api(self) -> bool:
         """A loopback --api-endpoint or --aws-ec2-endpoint: the emulator."""
         endpoints = (self.api_endpoint, self.source_options.get("aws_ec2_endpoint"))
-        return any(isinstance(url, str) and _is_loopback_url(url) for url in endpoints)
+        return any(isinstance(url, str) and is_loopback_url(url) for url in endpoints)
 
     @property
     def effective_stale_after(self) -> float:
         return self.stale_after if self.stale_after is not None else 3 * self.poll_interval
 
 
-# ---------------------------------------------------------------- value parsers
-
-
-def _poll_schedule(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ("adaptive", "fixed"):
-        raise ValueError("must be adaptive or fixed")
-    return value
-
-
-def _api_rate(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 1:
-        raise ValueError("must be at least 1 call per hour")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("must be a positive number of seconds")
-    return value
-
-
-def _is_loopback_url(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); ValueError with a plain reason."""
-    text = text.strip()
-    if text.startswith("["):  # [::1]:8791
-        host, sep, port = text[1:].partition("]:")
-        if not sep:
-            raise ValueError("IPv6 addresses are written [::1]:8791")
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8791")
-    if not host:
-        raise ValueError("the host is empty (use 0.0.0.0 to listen everywhere)")
-    if not port.isdigit():
-        raise ValueError(f"the port must be a number, got {port!r}")
-    number = int(port)
-    if not 0 <= number <= 65535:
-        raise ValueError("port out of range")
-    return host, number
-
-
-def _addresses(text: str) -> tuple[tuple[str, int], ...]:
-    parts = [part for part in text.split(",") if part.strip()]
-    if not parts:
-        raise ValueError("no address given")
-    return tuple(parse_address(part) for part in parts)
+# ------------------------------------------- the parsers that read the source registry
+# (the others: sidecar.host.setting_parsers)
 
 
 def _source_names(text: str) -> tuple[str, ...]:
@@ -212,87 +166,6 @@ def _source_names(text: str) -> tuple[str, ...]:
     if not names:
         raise ValueError("no source given")
     return tuple(dict.fromkeys(registry.canonical_name(name) for name in names))
-
-
-def _token(text: str) -> str:
-    from sidecar.host.auth import check_token
-
-    return check_token(text.strip())
-
-
-def _positive_int(text: str) -> int:
-    value = int(text.strip())
-    if value < 1:
-        raise ValueError("must be an integer >= 1")
-    return value
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2,
-               "mb": 1000**2, "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30}
-
-
-def _size(text: str, example: str) -> int:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text.strip().lower().replace(" ", ""))
-    if match is None or match.group(2) not in _SIZE_UNITS:
-        raise ValueError(f"expected {example}")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
-
-
-def _part_size(text: str) -> int:
-    """``64MiB``, ``8MB``, ``16777216``: one part of a multipart upload (S3: 5 MiB-5 GiB)."""
-    value = _size(text, "a size such as 64MiB, 8MB or 16777216")
-    if not (5 << 20) <= value <= (5 << 30):
-        raise ValueError("must be between 5MiB and 5GiB (the S3 limits for one part)")
-    return value
-
-
-def _bandwidth(text: str) -> int:
-    """``200MiB``, ``50MB``, ``100000000``: bytes per second (``/s`` may follow)."""
-    text = text.strip().lower()
-    for suffix in ("/s", "ps"):
-        if text.endswith(suffix):
-            text = text[: -len(suffix)]
-    value = _size(text, "bytes per second such as 200MiB, 50MB or 100000000")
-    if value < 64 * 1024:
-        raise ValueError("must be at least 64KiB per second")
-    return value
-
-
-def _destination(text: str) -> str:
-    from sidecar.host.upload.location import parse_destination  # standard library only
-
-    parsed = parse_destination(text)
-    return parsed.as_uri() if isinstance(parsed, Path) else parsed.url
-
-
-def _addressing_style(text: str) -> str:
-    style = text.strip().lower()
-    if style not in ("auto", "path", "virtual"):
-        raise ValueError("must be auto, path or virtual")
-    return style
-
-
-def _log_level(text: str) -> str:
-    level = text.strip().upper()
-    if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
-        raise ValueError("must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
-    return level
-
-
-def _zone(text: str) -> tzinfo:
-    text = text.strip()
-    if text.upper() in ("UTC", "Z"):
-        return timezone.utc
-    if text[:1] in "+-":  # a fixed offset such as +08:00
-        sign = -1 if text[0] == "-" else 1
-        hours, _, minutes = text[1:].partition(":")
-        return timezone(sign * timedelta(hours=int(hours), minutes=int(minutes or 0)))
-    from zoneinfo import ZoneInfo
-
-    try:
-        return ZoneInfo(text)
-    except Exception:
-        raise ValueError("unknown time zone (use an IANA name such as Asia/Shanghai)") from None
 
 
 def _notices(text: str) -> dict[str, Optional[float]]:
@@ -345,10 +218,10 @@ GROUP_UPLOAD = "checkpoint upload (docs/upload.md; s3:// needs the [upload] extr
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("listen", _addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
+    Option("listen", parse_addresses, f"address to serve on, HOST:PORT; repeat or comma-separate "
            f"for several, e.g. 127.0.0.1:8791,172.17.0.1:8791 (default {DEFAULT_LISTEN})",
            "HOST:PORT", repeatable=True, group=GROUP_LISTENING),
-    Option("token", _token, "the token a peer beyond loopback must send (Authorization: "
+    Option("token", parse_token, "the token a peer beyond loopback must send (Authorization: "
            "Bearer); required to --listen on any address but loopback, 16 characters or "
            "more (openssl rand -hex 16); environment only, never logged or served", "TOKEN",
            env_only=True, group=GROUP_LISTENING),
@@ -363,19 +236,19 @@ OPTIONS: tuple[Option, ...] = (
     # The sources' own rows stand where they stood before the specs, so --help and the
     # docs keep their order.
     *_source_rows("volcengine-esi"),
-    Option("poll_interval", _positive_seconds,
+    Option("poll_interval", parse_positive_seconds,
            f"seconds between polls (default {_DEFAULTS.poll_interval:g}, with +-10%% jitter; "
            "aws, gcp and azure keep their own cadence): at least "
            f"{MIN_API_POLL_INTERVAL_SECONDS:g} where the Volcengine OpenAPI is polled, "
            f"{MIN_POLL_INTERVAL_SECONDS:g} with a loopback --api-endpoint (the emulator) or "
            "sources that call no API", "SECONDS", group=GROUP_POLLING),
-    Option("stale_after", _positive_seconds, "report stale when no poll succeeded for this "
+    Option("stale_after", parse_positive_seconds, "report stale when no poll succeeded for this "
            "long (default 3 x poll interval)", "SECONDS", group=GROUP_POLLING),
-    Option("poll_schedule", _poll_schedule, "adaptive (default: while the ESI release is more "
+    Option("poll_schedule", parse_poll_schedule, "adaptive (default: while the ESI release is more "
            "than 15 min away, poll every 1/12 of the time left, at most every 15 min; "
            "--poll-interval in the final 15 min; docs/polling.md) or fixed (every "
            "--poll-interval)", "adaptive|fixed", group=GROUP_POLLING),
-    Option("max_api_rate", _api_rate, "most OpenAPI calls per hour this host makes, all "
+    Option("max_api_rate", parse_api_rate, "most OpenAPI calls per hour this host makes, all "
            f"sources together, retries included (default {DEFAULT_MAX_API_RATE:g}; none "
            "against a loopback --api-endpoint, the emulator); a call over it waits", "CALLS",
            group=GROUP_POLLING),
@@ -385,10 +258,10 @@ OPTIONS: tuple[Option, ...] = (
            "ahead), repeatable, e.g. gcp=20 (default: each source's own: aws 120, gcp 30 or "
            "15 on a GKE node, azure 30, volcengine-spot 300; docs/protection.md)",
            "SOURCE=SECONDS", repeatable=True, group=GROUP_SOURCES),
-    Option("log_level", _log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL",
+    Option("log_level", parse_log_level, "DEBUG, INFO (default), WARNING, ERROR", "LEVEL",
            group=GROUP_STATE),
     *_source_rows("static"),
-    Option("timezone", _zone, "time zone for timestamps that carry no offset (default: the "
+    Option("timezone", parse_zone, "time zone for timestamps that carry no offset (default: the "
            "source's platform's, the earliest plausible: UTC+8 for the Volcengine API and "
            "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP, UTC for AWS, GCP and "
            "SAGEMAKER_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP; --expires-at needs an "
@@ -397,9 +270,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("upload_from", Path, "checkpoint folder to upload from: the root that "
            "atomic_checkpoint writes into (upload is on when this and --upload-to are set)",
            "DIR", group=GROUP_UPLOAD),
-    Option("upload_to", _destination, "where complete checkpoints go: s3://BUCKET/PREFIX on S3 "
-           "or Volcengine TOS, or file:///PATH on a mounted network volume (vePFS, NAS, NFS); "
-           "one prefix or folder per uploading host", "URL", group=GROUP_UPLOAD),
+    Option("upload_to", parse_destination, "where complete checkpoints go: "
+           "s3://BUCKET/PREFIX on S3 or Volcengine TOS, or file:///PATH on a mounted network "
+           "volume (vePFS, NAS, NFS); one prefix or folder per uploading host", "URL",
+           group=GROUP_UPLOAD),
     Option("upload_endpoint", _url, "S3 endpoint, e.g. https://tos-s3-cn-beijing.volces.com "
            "for TOS (default: AWS S3)", "URL", group=GROUP_UPLOAD),
     Option("upload_region", _text, "signing region for the upload (default: from a TOS "
@@ -409,23 +283,23 @@ OPTIONS: tuple[Option, ...] = (
            env_only=True, group=GROUP_UPLOAD),
     Option("upload_secret_key", _text, "secret key for the upload, with the access key; "
            "environment only, never logged or served", "SECRET", env_only=True, group=GROUP_UPLOAD),
-    Option("upload_concurrency", _positive_int, f"parts and files uploaded at once "
+    Option("upload_concurrency", parse_positive_int, f"parts and files uploaded at once "
            f"(default {_DEFAULTS.upload_concurrency})",
            "N", group=GROUP_UPLOAD),
-    Option("upload_part_size", _part_size, f"multipart part size, 5MiB-5GiB "
+    Option("upload_part_size", parse_part_size, f"multipart part size, 5MiB-5GiB "
            f"(default {_DEFAULTS.upload_part_size >> 20}MiB)",
            "SIZE", group=GROUP_UPLOAD),
-    Option("upload_keep_local", _positive_int, "after an upload, delete local checkpoints "
+    Option("upload_keep_local", parse_positive_int, "after an upload, delete local checkpoints "
            "beyond the N newest that are durable in storage (default: delete nothing)", "N",
            group=GROUP_UPLOAD),
-    Option("upload_near_release", _positive_seconds, "when the release is this close, an "
+    Option("upload_near_release", parse_positive_seconds, "when the release is this close, an "
            f"older upload in progress yields to the newest checkpoint "
            f"(default {_DEFAULTS.upload_near_release:g})",
            "SECONDS", group=GROUP_UPLOAD),
-    Option("upload_scan_interval", _positive_seconds, "rescan the checkpoint folder this "
+    Option("upload_scan_interval", parse_positive_seconds, "rescan the checkpoint folder this "
            f"often besides inotify events (default {_DEFAULTS.upload_scan_interval:g})", "SECONDS",
            group=GROUP_UPLOAD),
-    Option("upload_max_bandwidth", _bandwidth, "cap the upload at this many bytes per "
+    Option("upload_max_bandwidth", parse_bandwidth, "cap the upload at this many bytes per "
            "second, e.g. 200MiB, when the uploader shares the NIC with training (default: "
            "no cap); the durability estimate uses it until an upload was measured", "RATE",
            group=GROUP_UPLOAD),
@@ -434,7 +308,7 @@ OPTIONS: tuple[Option, ...] = (
            "ones until a job writes there (true, the default); it costs one checkpoint's "
            "bytes read and kept on the local disk when no job comes. false: a host that must "
            "not read the destination", "true|false", group=GROUP_UPLOAD),
-    Option("upload_addressing_style", _addressing_style, "auto (default: path style for an IP "
+    Option("upload_addressing_style", parse_addressing_style, "auto (default: path style for an IP "
            "or localhost endpoint, virtual-hosted otherwise), path or virtual", "STYLE",
            group=GROUP_UPLOAD),
 )
