@@ -89,12 +89,12 @@ MUTANTS := \
   'sidecar.host.upload.identity.x_mount_of*' \
   'sidecar.host.upload.identity.xǁVolumeIdentityǁ[cs]*' \
   'sidecar.host.upload.identity.xǁVolumeIdentityǁ_check_marker*' \
-  'sidecar.host.drill.x_verdict_of*' \
-  'sidecar.host.drill.xǁDrillBoardǁreport*' \
-  'sidecar.host.drill.xǁDrillBoardǁ_decide*' \
-  'sidecar.host.protection.xǁProtectionBoardǁverdicts*' \
-  'sidecar.host.reclaims.xǁReclaimLedgerǁrecord*' \
-  'sidecar.host.reclaims.x__key*' \
+  'sidecar.host.features.drills.board.x_verdict_of*' \
+  'sidecar.host.features.drills.board.xǁDrillBoardǁreport*' \
+  'sidecar.host.features.drills.board.xǁDrillBoardǁ_decide*' \
+  'sidecar.host.features.protection.board.xǁProtectionBoardǁverdicts*' \
+  'sidecar.host.features.reclaims.ledger.xǁReclaimLedgerǁrecord*' \
+  'sidecar.host.features.reclaims.ledger.x__key*' \
   'sidecar.host.approve.xǁApproverǁ_check*' \
   'sidecar.train.policy.xǁSavePolicyǁdecide*'
 

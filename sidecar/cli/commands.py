@@ -220,7 +220,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
               f"{len(info.files)} files) from {restored.source} into {info.path} "
               f"in {restored.seconds:.1f} s")
     if args.released_at is not None:
-        from sidecar.host.restore_account import close_release_account
+        from sidecar.cli.restore_account import close_release_account
         from sidecar.train.client import SidecarClient
 
         try:

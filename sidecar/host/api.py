@@ -29,15 +29,15 @@ from pydantic import BaseModel, BeforeValidator
 
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
-from sidecar.host.drill import DrillBoard
-from sidecar.host.drill_api import DrillCollector, add_drill_routes
-from sidecar.host.event_routes import add_event_routes
-from sidecar.host.events import EventHistory
+from sidecar.host.features.drills.api import DrillCollector, add_drill_routes
+from sidecar.host.features.drills.board import DrillBoard
+from sidecar.host.features.events.history import EventHistory
+from sidecar.host.features.events.routes import add_event_routes
+from sidecar.host.features.protection.board import ProtectionBoard
+from sidecar.host.features.reclaims.api import add_reclaim_routes
+from sidecar.host.features.reclaims.ledger import ReclaimLedger
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
-from sidecar.host.protection import ProtectionBoard
 from sidecar.host.query import digits
-from sidecar.host.reclaims import ReclaimLedger
-from sidecar.host.reclaims_api import add_reclaim_routes
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
@@ -233,9 +233,9 @@ def create_app(
                           "last_durable_step": None, "checkpoints": []})
         return _json(uploads.body(clock(), limit))
 
-    if events is not None:  # the jobs' events (sidecar.host.events)
+    if events is not None:  # the jobs' events (sidecar.host.features.events.history)
         add_event_routes(app, events, clock)
-    if events is not None and drills is not None:  # fire drills (sidecar.host.drill)
+    if events is not None and drills is not None:  # fire drills (features.drills)
         add_drill_routes(app, drills, events, lambda now: store.expiry(now).expires_at_unix,
                          clock, token)
 
@@ -245,7 +245,7 @@ def create_app(
         async def protection_verdicts() -> Response:
             return _json(protection.body(clock()))
 
-    if reclaims is not None:  # GET, and POST from a restore (sidecar.host.reclaims_api)
+    if reclaims is not None:  # GET, and POST from a restore (sidecar.host.features.reclaims.api)
         add_reclaim_routes(app, reclaims, clock)
 
     @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",

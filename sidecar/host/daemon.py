@@ -31,14 +31,14 @@ from sidecar.host.connections import (
     connection_limit,
     raise_open_file_limit,
 )
-from sidecar.host.drill import DrillBoard
-from sidecar.host.drill_api import ReportingHistory
-from sidecar.host.events import EventHistory
+from sidecar.host.features.drills.api import ReportingHistory
+from sidecar.host.features.drills.board import DrillBoard
+from sidecar.host.features.events.history import EventHistory
+from sidecar.host.features.protection.board import ProtectionBoard, notice_table
+from sidecar.host.features.reclaims.ledger import ReclaimLedger
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
-from sidecar.host.protection import ProtectionBoard, notice_table
-from sidecar.host.reclaims import ReclaimLedger
 from sidecar.host.schedule import ApiBudget
 from sidecar.host.settings import ConfigError, Settings, storage_options
 from sidecar.host.sources.auto import AUTO, PROBE_TIMEOUT_SECONDS, ProbedSource
@@ -207,7 +207,7 @@ def build_daemon(settings: Settings) -> Daemon:
 
 def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
     """The deadline the daemon's own sources serve now (a drill's never is): the releases
-    the daemon sees come from it alone (sidecar.host.releases_seen)."""
+    the daemon sees come from it alone (sidecar.host.features.reclaims.releases_seen)."""
     expiry = store.expiry(now)
     if expiry.expires_at_unix is None or expiry.source is None:
         return None
@@ -297,8 +297,8 @@ async def _approve(approver: Approver) -> None:
 
 
 async def _check_protection(protection: ProtectionBoard, reclaims: ReclaimLedger) -> None:
-    """A line each time a source's protection verdict changes (sidecar.host.protection),
-    and the account of each release the job stopped for (sidecar.host.reclaims)."""
+    """A line each time a source's protection verdict changes (features.protection),
+    and the account of each release the job stopped for (features.reclaims)."""
     while True:
         try:
             protection.check()

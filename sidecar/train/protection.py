@@ -1,7 +1,7 @@
 """The protection verdict: whether a signal's notice holds the job's step + save + upload.
 
 Pure (no clock, no I/O) and standard library only: the daemon judges every source it
-runs with it (``sidecar.host.protection``), the guard its own SIGTERM grace and the
+runs with it (``sidecar.host.features.protection.board``), the guard its own SIGTERM grace and the
 sources the daemon serves (issue 24, item 2). A notice of None is a time known far ahead
 (an ESI release): the guard saves before it whatever the save takes.
 """

@@ -2,7 +2,7 @@
 
 Standard library only, one implementation: the simulator accounts its runs with it
 (``sidecar.tools.simulate.engine``), the daemon its job's releases from the job events
-(``sidecar.host.reclaims``), and ``esi-sidecar restore`` closes the account of the
+(``sidecar.host.features.reclaims.ledger``), and ``esi-sidecar restore`` closes the account of the
 previous machine from the checkpoint it restored (issue 24, item 3). The definitions are
 the simulator's (docs/simulation.md):
 

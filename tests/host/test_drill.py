@@ -15,8 +15,8 @@ from typing import Any, Optional
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.host.drill import DrillBoard, DrillRefused, default_lead, verdict_of
-from sidecar.host.drill_event import DrillReport
+from sidecar.host.features.drills.board import DrillBoard, DrillRefused, default_lead, verdict_of
+from sidecar.host.features.events.drill_report import DrillReport
 
 
 def post(url: str, body: Any = None, raw: Optional[bytes] = None) -> tuple[int, Any]:

@@ -26,7 +26,12 @@ from urllib.parse import urlsplit
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.host.events import HISTORY_LENGTH, MAX_TRACKED_JOBS, EventHistory, JobEvent
+from sidecar.host.features.events.history import (
+    HISTORY_LENGTH,
+    MAX_TRACKED_JOBS,
+    EventHistory,
+    JobEvent,
+)
 from sidecar.train import event_sender as sender_module
 from sidecar.train.client import SidecarClient
 from sidecar.train.guard import CheckpointGuard

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from daemon_harness import wait_for
 from test_events import event, events, metrics, post, static_daemon
 
-from sidecar.host.events import (
+from sidecar.host.features.events.history import (
     MAX_DISCARDED_BYTES,
     MAX_TRACKED_JOBS,
     RATE_PER_SECOND,

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from daemon_harness import get_json, serve_daemon, wait_for
 
-from sidecar.host.reclaims import ACCOUNTS_BURST, CLOSED_KEPT, ReclaimLedger
+from sidecar.host.features.reclaims.ledger import ACCOUNTS_BURST, CLOSED_KEPT, ReclaimLedger
 from sidecar.host.settings import ConfigError, load_settings
 from sidecar.timeparse import format_rfc3339
 from sidecar.train.client import SidecarClient

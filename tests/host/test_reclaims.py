@@ -18,7 +18,7 @@ from daemon_harness import get_json, serve_daemon, wait_for
 from guard_support import closed_port
 
 from sidecar.checkpoint.folders import atomic_checkpoint
-from sidecar.host.reclaims import (
+from sidecar.host.features.reclaims.ledger import (
     SLACK_SECONDS,
     AccountRefused,
     ReclaimLedger,

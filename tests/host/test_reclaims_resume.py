@@ -18,7 +18,7 @@ from daemon_harness import get_json, serve_daemon, wait_for
 from upload_support import MIB, make_checkpoint
 
 from sidecar.checkpoint.folders import latest_valid
-from sidecar.host.reclaims import ReclaimLedger
+from sidecar.host.features.reclaims.ledger import ReclaimLedger
 from sidecar.host.upload.fetch import restore_newest
 from sidecar.train.reclaim_cost import effective_ratio, release_cost, with_resume
 

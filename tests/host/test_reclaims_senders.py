@@ -15,7 +15,12 @@ from urllib.parse import urlsplit
 import pytest
 from daemon_harness import get_json, serve_daemon
 
-from sidecar.host.reclaims import ACCOUNTS_BURST, SENDERS_KEPT, AccountRefused, ReclaimLedger
+from sidecar.host.features.reclaims.ledger import (
+    ACCOUNTS_BURST,
+    SENDERS_KEPT,
+    AccountRefused,
+    ReclaimLedger,
+)
 from sidecar.train.reclaim_cost import release_cost
 
 

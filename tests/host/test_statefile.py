@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from daemon_harness import fetch_json, get_json, serve_daemon, wait_for
 
-from sidecar.host.events import EventHistory, JobEvent
+from sidecar.host.features.events.history import EventHistory, JobEvent
 from sidecar.host.statefile import MAX_BYTES, StateFile
 from sidecar.host.store import Store
 from sidecar.host.store_section import StoreSection

@@ -13,8 +13,8 @@ from typing import Optional
 import pytest
 from guard_support import closed_port
 
-from sidecar.host.reclaims import ReclaimLedger
-from sidecar.host.restore_account import close_release_account
+from sidecar.cli.restore_account import close_release_account
+from sidecar.host.features.reclaims.ledger import ReclaimLedger
 from sidecar.models import Expiry
 from sidecar.timeparse import format_rfc3339
 from sidecar.train.client import SidecarClient

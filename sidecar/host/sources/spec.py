@@ -67,7 +67,7 @@ class SourceSpec(Generic[C]):
     probe: Optional[Callable[[C, float], Optional[str]]] = None
     # How long before the machine goes this platform warns: the shortest notice it gives
     # (None: the time is known far ahead, as an ESI release). The protection verdict holds
-    # the job's step + save + upload against it (sidecar.host.protection); --notice
+    # the job's step + save + upload against it (sidecar.host.features.protection.board); --notice
     # overrides it per source.
     notice_seconds: Optional[float] = None
     # The --help heading of its options (default: "the NAME source").

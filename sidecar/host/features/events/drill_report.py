@@ -1,7 +1,7 @@
 """What a guard reports on a fire drill: the ``drill`` object of a ``"drill"`` job event.
 
-Its own module so that the event model (``sidecar.host.events``) and the drill board
-(``sidecar.host.drill``) both read it without importing each other. Strict, as every
+Its own module so that the event model (``features.events.history``) and the drill board
+(``features.drills.board``) both read it without importing each other. Strict, as every
 field of an event: unknown fields and wrong types are refused (docs/drill.md).
 """
 

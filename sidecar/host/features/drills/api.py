@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sidecar.host.auth import is_loopback
-from sidecar.host.drill import RESULTS, DrillBoard, DrillRefused
-from sidecar.host.events import EventHistory, JobEvent
+from sidecar.host.features.drills.board import RESULTS, DrillBoard, DrillRefused
+from sidecar.host.features.events.history import EventHistory, JobEvent
 from sidecar.host.json_body import BodyRefused, json_object, read_json_body
 
 __all__ = ["DrillCollector", "ReportingHistory", "add_drill_routes"]

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 
-from sidecar.host.events import (
+from sidecar.host.features.events.history import (
     DISCARD_SECONDS,
     MAX_BODY_BYTES,
     MAX_DISCARDED_BYTES,

@@ -9,7 +9,7 @@ job stopped for the release while that deadline was at most :data:`NEAR_SECONDS`
 One deadline is one release however many jobs stopped for it. The machine's life is from
 the later of the previous release seen and the time the daemon began watching (kept
 across restarts) to the release: a restart without its state errs short, towards more
-saves. Not thread-safe: the ledger (``sidecar.host.reclaims``) holds its lock.
+saves. Not thread-safe: the ledger (``sidecar.host.features.reclaims.ledger``) holds its lock.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the same release posted again is not counted twice. Who may post: the daemon's u
 for writes (loopback, beyond it the token; with ``--writes-need-token`` the token from
 loopback too: ``sidecar.host.auth``). A posted account is attributed to its peer, bounded
 (422 naming the field, 429 over the rate: ``ReclaimLedger.record``) and never moves the mean
-time between reclaims (``sidecar.host.releases_seen``).
+time between reclaims (``sidecar.host.features.reclaims.releases_seen``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from sidecar.host.features.reclaims.ledger import AccountRefused, ReclaimLedger
 from sidecar.host.json_body import BodyRefused, json_object, read_json_body
-from sidecar.host.reclaims import AccountRefused, ReclaimLedger
 from sidecar.train.reclaim_cost import ReleaseCost, release_cost
 
 __all__ = ["MAX_BODY_BYTES", "add_reclaim_routes", "cost_of_restore"]

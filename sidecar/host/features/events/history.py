@@ -39,8 +39,8 @@ from pydantic import (
 )
 
 from sidecar.host.connections import HEADER_TIMEOUT_SECONDS
-from sidecar.host.drill_event import DrillReport
-from sidecar.host.event_limits import KeyedBuckets
+from sidecar.host.features.events.drill_report import DrillReport
+from sidecar.host.token_buckets import KeyedBuckets
 
 __all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "problem_line"]
 
@@ -117,7 +117,7 @@ class JobEvent(BaseModel):
     remaining_seconds: Optional[SignedSeconds] = None  # as the job saw it, at at_unix
     released: Optional[bool] = None  # stop, finished: because the release came
     reason: Optional[Text] = None
-    drill: Optional[DrillReport] = None  # drill: the guard's figures (sidecar.host.drill)
+    drill: Optional[DrillReport] = None  # drill: the guard's figures (features.drills)
 
     @field_validator("at_unix")
     @classmethod

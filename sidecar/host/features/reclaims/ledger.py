@@ -1,6 +1,6 @@
 """The cost of each release the daemon saw its job through: ``GET /v1/reclaims``.
 
-From the job events (``sidecar.host.events``): when a job stops because the release came
+From the job events (``features.events``): when a job stops because the release came
 (a ``stop`` event with ``released``), ``check()`` closes its account with the pure rule
 (``sidecar.train.reclaim_cost``): the state the next machine resumes from is the start of
 the save of the newest durable checkpoint (the newest save without an uploader), idle
@@ -18,7 +18,7 @@ Served in each account, as a histogram beside the lost seconds, and in the ratio
 
 What is posted is hostile input (issue 35, item 7): any local process can post events or
 an account. So the mean time between reclaims comes only from the releases the daemon saw
-itself (``sidecar.host.releases_seen``), never from an account; accounts are attributed
+itself (``releases_seen``), never from an account; accounts are attributed
 (``posted_by``), counted once per job and release, refused when a figure exceeds what
 this daemon could have seen (its uptime plus a day: 422 naming the field), admitted
 :data:`ACCOUNTS_BURST` at once then one a minute per sender as ``posted_by`` names it (429:
@@ -44,8 +44,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from sidecar.host.event_limits import KeyedBuckets
-from sidecar.host.releases_seen import NEAR_SECONDS, ReleasesSeen
+from sidecar.host.features.reclaims.releases_seen import NEAR_SECONDS, ReleasesSeen
+from sidecar.host.token_buckets import KeyedBuckets
 from sidecar.train.protection import short_duration
 from sidecar.train.reclaim_cost import ReleaseCost, effective_ratio, release_cost, with_resume
 

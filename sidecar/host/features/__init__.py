@@ -1,0 +1,1 @@
+"""The daemon's features: each a package that declares what it adds to the daemon."""

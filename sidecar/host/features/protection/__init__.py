@@ -1,0 +1,1 @@
+"""Each running source's protection verdict (``/v1/protection``, docs/protection.md)."""
