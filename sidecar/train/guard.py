@@ -19,10 +19,12 @@ nonsense: the deadline comes from :class:`~sidecar.train.deadline.DeadlineTracke
 the last known one, falls back to the platform's environment variables, logs one warning
 and retries later. Exceptions from the user's own save function do propagate (a failed
 save silently taken for a good one would be worse than a crash), and the save is then not
-counted. The guard keeps the loop's API; its collaborators do one job each: the vote
-across ranks (``vote``), the upload budget (``upload_time``), following the final save
-until durable (``durability``), the wait for the release (``release_wait``), the job's
-events (``job_events``).
+counted. The guard keeps the loop's API; its collaborators do one job each: this rank's
+vote (``local_vote``) and the vote across ranks (``vote``), the upload budget
+(``upload_time``), recording a save against the decision that asked for it
+(``save_recorder``), following the final save until durable (``durability``), the wait
+for the release (``release_wait``), the job's events (``job_events``), what it shows
+(``guard_status``) and keeps in the checkpoint (``guard_state``).
 """
 
 from __future__ import annotations
@@ -34,22 +36,23 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
+from sidecar.train import guard_state
 from sidecar.train.client import SidecarClient
 from sidecar.train.deadline import DEFAULT_REFRESH_SECONDS, DEFAULT_RETRY_SECONDS, DeadlineTracker
-from sidecar.train.deadlines import MACHINE, Candidate
 from sidecar.train.decision_notes import DecisionNotes
 from sidecar.train.drill import DrillFollower
 from sidecar.train.durability import DurabilityFollower
-from sidecar.train.job_events import JobEvents, save_kind
-from sidecar.train.policy import PolicyDecision, SavePolicy, check_seconds
-from sidecar.train.protection import JobFigures
+from sidecar.train.guard_status import GuardStatus
+from sidecar.train.job_events import JobEvents
+from sidecar.train.local_vote import LocalVote
+from sidecar.train.policy import PolicyDecision, SavePolicy
 from sidecar.train.rank_log import RankPrefix
 from sidecar.train.release_wait import EXIT_RELEASED, ReleaseWait
-from sidecar.train.routine import RoutinePlan, RoutineSaves
+from sidecar.train.routine import RoutineSaves
 from sidecar.train.rule import PROCESS_SOURCES
+from sidecar.train.save_recorder import SaveRecorder
 from sidecar.train.sigterm import SigtermDeadline, with_sigterm
 from sidecar.train.slurm_deadline import SlurmDeadline, with_slurm
 from sidecar.train.step_time import LoopTimer
@@ -65,7 +68,6 @@ from sidecar.train.vote import (
     CollectiveVote,
     Reducer,
     Verdict,
-    Vote,
 )
 
 __all__ = [
@@ -89,70 +91,11 @@ logger.addFilter(RankPrefix())
 
 T = TypeVar("T")
 
-STATE_VERSION = 1  # of state_dict()
+# Its version: the simulator writes one (sidecar.tools.simulate.policies).
+STATE_VERSION = guard_state.STATE_VERSION
 
 # PROCESS_SOURCES (the daemon's sources whose deadline ends the process, not the machine)
 # moved to sidecar.train.rule with the rule's other inputs; the name stays importable here.
-
-
-@dataclass(frozen=True)
-class GuardStatus:
-    """What the guard knows right now, for a log line or a progress bar."""
-
-    remaining_seconds: Optional[float]
-    budget_seconds: Optional[float]
-    step_seconds: Optional[float]
-    save_seconds: float
-    deadline_unix: Optional[float]
-    deadline_source: Optional[str]  # "daemon", "env", "slurm", "sigterm" or None
-    daemon_reachable: bool
-    save_now: bool
-    stop: bool
-    reason: str
-    last_error: Optional[str]
-    # Durability (the daemon's checkpoint uploader): how long a save takes to become
-    # durable after the local write (None: no uploader or no estimate), its state ("ok",
-    # "uploading", "degraded", None without one), the final save's step and when it
-    # became durable (a local save is durable at once when no uploader runs).
-    upload_seconds: Optional[float] = None
-    upload_status: Optional[str] = None
-    final_step: Optional[int] = None
-    final_durable_at_unix: Optional[float] = None
-    # The top-up save after the final one (SavePolicy.top_up_seconds), followed the same way.
-    top_up_step: Optional[int] = None
-    top_up_durable_at_unix: Optional[float] = None
-    # Routine saves (SavePolicy.routine_seconds): their interval now (None: none), and
-    # what a reclaim would cost, in a line.
-    routine_seconds: Optional[float] = None
-    routine_note: Optional[str] = None
-
-    @classmethod
-    def of(cls, decision: PolicyDecision, deadline: Optional[float], source: Optional[str],
-           tracker: DeadlineTracker, durability: DurabilityFollower,
-           last_error: Optional[str], routine: Optional[RoutinePlan] = None) -> GuardStatus:
-        """The status of ``decision`` on ``deadline`` (from ``source``)."""
-        final, top_up = durability.final, durability.top_up
-        return cls(
-            remaining_seconds=decision.remaining_seconds,
-            budget_seconds=decision.budget_seconds,
-            step_seconds=decision.step_seconds,
-            save_seconds=decision.save_seconds,
-            deadline_unix=deadline,
-            deadline_source=source,
-            daemon_reachable=tracker.reachable,
-            save_now=decision.save_now,
-            stop=decision.stop,
-            reason=decision.reason,
-            last_error=last_error,
-            upload_seconds=tracker.upload_seconds,
-            upload_status=tracker.upload_status,
-            final_step=final.step,
-            final_durable_at_unix=final.durable_unix,
-            top_up_step=top_up.step,
-            top_up_durable_at_unix=top_up.durable_unix,
-            routine_seconds=None if routine is None else routine.interval_seconds,
-            routine_note=None if routine is None else routine.line,
-        )
 
 
 class CheckpointGuard:
@@ -238,13 +181,17 @@ class CheckpointGuard:
         # The verdict behind the last should_save()/should_stop() (reduced across ranks),
         # None until one of them ran; written by _agree() only.
         self._agreed: Optional[Verdict] = None
-        self._last_save_decision: Optional[PolicyDecision] = None  # should_save()'s
-        self._asked_unix: Optional[float] = None  # when should_save() decided it
         self._stopping = False  # the last should_stop() said stop
-        self._warned_internal = False
         self._notes = DecisionNotes(logger, self._events)
         self._routine = RoutineSaves.asking(self._tracker, self.policy.routine_seconds, logger,
                                             monotonic)
+        # The save asked for by should_save(), recorded (save_recorder.py); this rank's vote.
+        self._saves = SaveRecorder(self.policy, routine=self._routine, notes=self._notes,
+                                   loop=self._loop, events=self._events,
+                                   durability=self._durability, drill=self._drill, clock=clock)
+        self._local = LocalVote(self._tracker, self.policy, upload=self._upload,
+                                routine=self._routine, notes=self._notes, drill=self._drill,
+                                vote=self._vote, slurm=self._slurm)
         if events:  # a job that ends without a release says so (docs/events.md, finished)
             atexit.register(_finish_at_exit, weakref.ref(self))
 
@@ -308,14 +255,10 @@ class CheckpointGuard:
         """
         started_unix = self._clock()
         deadline = self._deadline_for_save()
-        asked = self._last_save_decision
-        self._events.send("save-started", step=step, save=self._save_kind(asked),
-                          budget_seconds=None if asked is None else asked.budget_seconds,
-                          remaining_seconds=None if deadline is None
-                          else deadline - started_unix)
+        self._saves.started(step, started_unix=started_unix, deadline_unix=deadline)
         started = self._monotonic()
         yield
-        self._record_save(
+        self._saves.record(
             max(0.0, self._monotonic() - started), started_unix=started_unix,
             deadline_unix=deadline, step=step,
         )
@@ -346,7 +289,7 @@ class CheckpointGuard:
         """
         if started_unix is None:
             started_unix = self._clock() - seconds
-        self._record_save(seconds, started_unix=started_unix,
+        self._saves.record(seconds, started_unix=started_unix,
                           deadline_unix=self._deadline_for_save(), step=step,
                           committed=committed)
 
@@ -368,82 +311,24 @@ class CheckpointGuard:
             return self._agreed[1]
         return self._tracker.deadline(refresh=False)[0]
 
-    def _record_save(self, seconds: float, *, started_unix: float,
-                     deadline_unix: Optional[float], step: Optional[int] = None,
-                     committed: Optional[Callable[[], bool]] = None) -> None:
-        # The budget of the asking decision (the save covers what it promised); the
-        # deadline known when it started (a routine save made before the deadline was
-        # known, or while it was far, is not the final save: SavePolicy.record_save).
-        asked = self._last_save_decision
-        budget = None if asked is None else asked.budget_seconds
-        self._routine.saved(started_unix)  # any save restarts the routine interval
-        # The rule's own save (a routine or fallback save is for no deadline).
-        rule = None if asked is None or asked.routine or asked.fallback else asked
-        if rule is not None and rule.save_now and self._asked_unix is not None:
-            # It started no earlier than it was asked: a caller's wider timing must not
-            # shrink its cover below the deadline the asking decision saw.
-            started_unix = max(started_unix, self._asked_unix)
-        self.policy.record_save(
-            seconds, started_unix=started_unix, deadline_unix=deadline_unix,
-            budget_seconds=budget, fallback=asked is not None and asked.fallback,
-            margin_seconds=None if asked is None else asked.margin_seconds,
-        )
-        self._notes.saved(step, started_unix)
-        self._loop.pause(seconds)  # a save is not a step
-        self._events.send("save-finished", step=step, seconds=seconds,
-                          save=self._save_kind(asked),
-                          asynchronous=True if committed is not None else None,
-                          remaining_seconds=None if deadline_unix is None
-                          else deadline_unix - self._clock())
-        if rule is not None and rule.save_now:  # the save the rule asked for
-            self._durability.saved(step=step, deadline_unix=deadline_unix,
-                                   top_up=rule.top_up, committed=committed,
-                                   drill=self._drill.drilling)
-        self._drill.saved(seconds=seconds, started_unix=started_unix, step=step, asked=rule)
-
-    def _save_kind(self, asked: Optional[PolicyDecision]) -> str:
-        """The save's name in the events: a drill's own save is a ``drill`` save, never
-        the release's ``final`` (docs/events.md)."""
-        kind = save_kind(asked)
-        return "drill" if kind in ("final", "top-up") and self._drill.drilling else kind
-
     def state_dict(self) -> dict[str, object]:
         """What the guard learned, plain JSON, to keep in the checkpoint (step and save
         times, the upload estimate): after :meth:`load_state_dict` the next machine's
         first deadline meets measured values, not the 60 s default (the HF and
         Lightning callbacks do both by themselves)."""
-        return {
-            "version": STATE_VERSION,
-            "policy": self.policy.state_dict(),
-            "upload_seconds": self._upload.to_save(),
-        }
+        return guard_state.dump(self.policy, self._upload)
 
     def load_state_dict(self, state: object) -> bool:
         """Seed the guard from :meth:`state_dict`; False (and one warning) when ``state``
         is not one: a resume never fails because of it."""
-        try:
-            if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-                raise ValueError(f"not a guard state of version {STATE_VERSION}")
-            policy = state.get("policy", {})
-            if not isinstance(policy, Mapping):
-                raise ValueError("policy must be a mapping")
-            upload = state.get("upload_seconds")
-            if upload is not None:
-                upload = check_seconds("upload_seconds", upload)
-            self.policy.load_state_dict(policy)
-        except (ValueError, TypeError) as exc:
-            logger.warning("ignoring the saved guard state: %s", exc)
-            return False
-        self._upload.saved_seconds = upload
-        return True
+        return guard_state.load(state, self.policy, self._upload)
 
     # ------------------------------------------------------------------ deciding
 
     def should_save(self) -> bool:
         """Save now? At most once per deadline. Collective when a reducer is set."""
         decision, deadline = self._agree()
-        self._last_save_decision = decision
-        self._asked_unix = self._clock()
+        self._saves.asking(decision, self._clock())
         self._notes.decided(decision, deadline, self.sigterm, self._upload.seconds(),
                             self._clock())
         return decision.save_now
@@ -549,7 +434,7 @@ class CheckpointGuard:
     def _decide(self, *, reduce: bool) -> Verdict:
         """The decision, and the absolute deadline it used (reduced across ranks)."""
         now_unix = self._clock()
-        vote = self._local_vote(now_unix)
+        vote = self._local.of(now_unix, self.sigterm)
         self._upload.warn_on_change()
         collective = reduce and self._vote.collective
         if collective:
@@ -583,44 +468,6 @@ class CheckpointGuard:
             self._vote.schedule(verdict, hold=self._sigterm_deadline() is not None
                                 or self._stopping)
         return verdict
-
-    def _local_vote(self, now_unix: float) -> Vote:
-        """What this rank knows, before any reduction."""
-        held: Optional[Candidate] = None
-        try:
-            held = self._tracker.candidate()
-        except Exception:  # a bug of ours must not stop training
-            if not self._warned_internal:
-                logger.exception("sidecar client failed; deciding without a deadline")
-                self._warned_internal = True
-        # Every deadline merged by sidecar.train.deadlines.earliest; the real one's kind is
-        # the daemon's as served (or guessed for an older daemon: deadlines.daemon_kind),
-        # a process's for any other; a drill rehearses the kind of the real one.
-        real = with_sigterm(self.sigterm, with_slurm(
-            self._slurm, self._tracker.reachable, held, ask=True))
-        chosen, drill = self._drill.earlier(real, now_unix)
-        deadline = None if chosen is None else chosen.unix
-        machine = real is not None and real.kind == MACHINE
-        policy = self.policy
-        return Vote(
-            remaining_seconds=None if deadline is None else deadline - now_unix,
-            step_seconds=policy.step_estimate(),
-            save_seconds=policy.measured_save_estimate(),
-            covered_seconds=policy.covered_seconds(now_unix),
-            upload_seconds=self._upload.seconds(),
-            # After a SIGTERM the vote carries "no top-up" (-1) to every rank (MIN); this
-            # rank's own decision reads the SIGTERM itself (rule row SIGTERM_SAVED).
-            steps_after_final=policy.steps_after_final() if self._sigterm_deadline() is None
-            else -1.0,
-            typical_step_seconds=policy.typical_step_estimate(),
-            drill_seconds=None if drill is None else drill - now_unix,
-            routine_overdue_seconds=self._routine.overdue(now_unix, JobFigures(
-                policy.step_estimate(), policy.save_estimate(), self._upload.seconds()),
-                self.sigterm, self._notes.last_saved) if self._vote.drills else None,
-            at_risk_seconds=policy.at_risk_seconds() if self._vote.drills else None,
-            process_deadline=None if deadline is None or not self._vote.drills
-            else 0.0 if machine else 1.0,
-        )
 
     def _sigterm_deadline(self) -> Optional[float]:
         return None if self.sigterm is None else self.sigterm.deadline()
