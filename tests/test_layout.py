@@ -245,6 +245,41 @@ def test_inside_the_host_side_data_flows_one_way() -> None:
     assert broken == []
 
 
+# The features (docs/architecture.md, "features/"): each a package under
+# sidecar/host/features/ that the registry lists. The core never names one: create_app,
+# the page and the daemon know them only as the registry's list. A feature reads another
+# only as the job events' history (what every other feature is computed from).
+FEATURES = "sidecar.host.features"
+READ_BY_EVERY_FEATURE = f"{FEATURES}.events"
+
+
+FEATURE_PACKAGES = frozenset(
+    f"{FEATURES}.{path.name}" for path in (PACKAGE_ROOT / "host" / "features").iterdir()
+    if (path / "__init__.py").is_file())
+
+
+def _feature_of(module: str) -> str:
+    """The feature package ``module`` is in, or ""."""
+    return ".".join(module.split(".")[:4]) if _in(module, *FEATURE_PACKAGES) else ""
+
+
+def test_the_core_knows_the_features_only_as_the_registrys_list() -> None:
+    core = [_where(i) for i in IMPORTS
+            if _in(i.module, "sidecar.host") and not _in(i.module, FEATURES)
+            and _feature_of(i.target)]
+    registry = {f"{FEATURES}.registry", FEATURES}
+    listed = {_feature_of(i.target) for i in IMPORTS
+              if i.module in registry and _feature_of(i.target)}
+    assert len(FEATURE_PACKAGES) >= 5 and core == [] and listed == FEATURE_PACKAGES
+
+
+def test_a_feature_reads_no_other_feature_but_the_job_events() -> None:
+    broken = [_where(i) for i in IMPORTS
+              if _feature_of(i.module) and _feature_of(i.target)
+              and _feature_of(i.target) not in (_feature_of(i.module), READ_BY_EVERY_FEATURE)]
+    assert broken == []
+
+
 def test_only_the_wiring_picks_sources_and_builds_the_uploader() -> None:
     wiring = {"sidecar.host.daemon", "sidecar.host.settings"}
     broken = [

@@ -15,9 +15,9 @@ import html
 import json
 import platform
 import time
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import replace
-from typing import Annotated, Any, Callable, Optional, Protocol
+from typing import Annotated, Any, Callable, Optional
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,54 +25,31 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, BeforeValidator
+from pydantic import BaseModel
 
 from sidecar import __version__
 from sidecar.host.auth import RequireToken
-from sidecar.host.features.drills.api import DrillCollector, add_drill_routes
-from sidecar.host.features.drills.board import DrillBoard
-from sidecar.host.features.events.history import EventHistory
-from sidecar.host.features.events.routes import add_event_routes
-from sidecar.host.features.protection.board import ProtectionBoard
-from sidecar.host.features.reclaims.api import add_reclaim_routes
-from sidecar.host.features.reclaims.ledger import ReclaimLedger
+from sidecar.host.features import Part
 from sidecar.host.page import CONTENT_SECURITY_POLICY, render_page
-from sidecar.host.query import digits
 from sidecar.host.store import Store, build_expiry, build_health
 
 # The contract's bodies are the shared stdlib dataclasses; FastAPI documents them as-is.
 from sidecar.models import Decision, Expiry
 from sidecar.train.policy import DEFAULT_REDUNDANT_SECONDS, DEFAULT_SAVE_SECONDS, seed_rule
 
-__all__ = ["UploadsView", "create_app", "current_expiry"]
+__all__ = ["create_app", "current_expiry"]
+
+Clock = Callable[[], float]
 
 
-class UploadsView(Protocol):
-    """What the API reads of the checkpoint uploader (``sidecar.host.upload.status.
-    UploadTracker``); a protocol so this module imports nothing of the upload package."""
-
-    def body(self, now: Optional[float] = None, limit: int = 100) -> dict[str, Any]: ...
-
-    def summary(self, now: Optional[float] = None) -> dict[str, Any]: ...
-
-    def collect(self) -> list[Metric]: ...
-
-    def durability(self) -> tuple[Optional[float], str, int]: ...
-
-
-def current_expiry(store: Store, uploads: Optional[UploadsView], now: float,
-                   drills: Optional[DrillBoard] = None) -> Expiry:
-    """The ``/v1/expiry`` body: the store's deadline, the uploader's durability estimate
-    when this daemon uploads checkpoints, and the fire drill under way, if any."""
+def current_expiry(store: Store, parts: Iterable[Part], now: float) -> Expiry:
+    """The ``/v1/expiry`` body, built in this one place: the store's deadline, then each
+    feature's part (the uploader's durability estimate, the fire drill under way)."""
     expiry = store.expiry(now)
-    drill = None if drills is None else drills.served(expiry.expires_at_unix, now)
-    if drill is not None:
-        expiry = replace(expiry, drill=drill)
-    if uploads is None:
-        return expiry
-    upload_seconds, status, measured = uploads.durability()
-    return replace(expiry, upload_seconds=upload_seconds, upload_status=status,
-                   upload_measured=measured)
+    for part in parts:
+        if part.expiry is not None:
+            expiry = part.expiry(expiry, now)
+    return expiry
 
 
 class HealthBody(BaseModel):
@@ -81,20 +58,6 @@ class HealthBody(BaseModel):
     sources: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     uploads: Optional[dict[str, Any]] = None  # informational: never turns /healthz 503
-
-
-class UploadsBody(BaseModel):
-    """Schema of ``GET /v1/uploads`` (docs/upload.md)."""
-
-    enabled: bool
-    status: Optional[str] = None  # ok | uploading | degraded
-    degraded: bool = False
-    error: Optional[str] = None
-    last_durable_step: Optional[int] = None
-    last_durable_name: Optional[str] = None
-    last_durable_at_unix: Optional[float] = None
-    checkpoints: list[dict[str, Any]] = []
-    last_probe: Optional[dict[str, float]] = None  # the newest link probe (upload/probe.py)
 
 
 def _encode(body: Any) -> bytes:
@@ -122,18 +85,15 @@ def _seconds(description: str, default: Any = ...) -> Any:
 def create_app(
     store: Store,
     *,
+    parts: Optional[Mapping[str, Part]] = None,
     lifespan: Optional[Callable[[FastAPI], AbstractAsyncContextManager[None]]] = None,
-    clock: Callable[[], float] = time.time,
-    uploads: Optional[UploadsView] = None,
+    clock: Clock = time.time,
     token: Optional[str] = None,
-    events: Optional[EventHistory] = None,
-    protection: Optional[ProtectionBoard] = None,
-    reclaims: Optional[ReclaimLedger] = None,
-    drills: Optional[DrillBoard] = None,
     writes_need_token: bool = False,
 ) -> FastAPI:
-    """The API over ``store``; with ``token``, peers beyond loopback must send it, and with
-    ``writes_need_token`` every write too (``sidecar.host.auth``)."""
+    """The API over ``store`` and the features built (``parts``, by name:
+    ``features.registry.build_features``); with ``token``, peers beyond loopback must send
+    it, and with ``writes_need_token`` every write too (``sidecar.host.auth``)."""
     app = FastAPI(
         title="esi-sidecar",
         version=__version__,
@@ -144,18 +104,82 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    app.exception_handler(RequestValidationError)(_invalid_request)
+    features = dict(parts or {})
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
-        problems = []
-        for error in exc.errors():
-            where = ".".join(str(part) for part in error.get("loc", ()) if part != "query")
-            problems.append(f"{where}: {error.get('msg')}")
-        return _json({"error": "; ".join(problems), "detail": exc.errors()}, 422)
+    def served(now: float) -> Expiry:
+        return current_expiry(store, features.values(), now)
+
+    def health(now: float) -> tuple[int, dict[str, Any]]:
+        return _health_body(store, features, now)
+
+    _add_core_routes(app, served, health, clock)
+    for part in features.values():
+        if part.routes is not None:
+            part.routes(app)
+    _add_page_routes(app, store, features, served, health, clock)
+    app.add_middleware(_ExpiryFastPath, served=served, clock=clock)
+    registry = _registry(store, features, clock)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_HeadAsGet)
+    if token is not None:
+
+        def verdict() -> tuple[int, str]:
+            current = build_health(store.snapshot(), clock())
+            return (200 if current.ok else 503), current.status
+
+        app.add_middleware(RequireToken, token=token, health=verdict,  # outermost
+                           writes_need_token=writes_need_token)
+    return app
+
+
+async def _invalid_request(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "query")
+        problems.append(f"{where}: {error.get('msg')}")
+    return _json({"error": "; ".join(problems), "detail": exc.errors()}, 422)
+
+
+def _health_body(store: Store, parts: Mapping[str, Part],
+                 now: float) -> tuple[int, dict[str, Any]]:
+    snapshot = store.snapshot()  # one read: the verdict and the details agree
+    health = build_health(snapshot, now)
+    sources = {
+        status.name: {
+            "last_success_age_seconds": status.age(now),
+            "restored": status.restored,
+            "error": status.error,
+            "consecutive_failures": status.consecutive_failures,
+        }
+        for status in snapshot.present
+    }
+    body: dict[str, Any] = {
+        "status": health.status, "reason": health.reason, "sources": sources,
+        # --source auto: the services not found here, and why (asked again later).
+        "skipped": {status.name: status.absent for status in snapshot.sources
+                    if status.absent is not None},
+    }
+    # A feature's part is shown, never judged (the uploads: storage down is not a reason
+    # to restart the daemon).
+    body.update({name: part.health(now) for name, part in parts.items()
+                 if part.health is not None})
+    return (200 if health.ok else 503), body
+
+
+def _add_core_routes(app: FastAPI, served: Callable[[float], Expiry],
+                     health: Callable[[float], tuple[int, dict[str, Any]]],
+                     clock: Clock) -> None:
+    """``/v1/expiry``, ``/v1/decision`` and ``/healthz``."""
 
     @app.get("/v1/expiry", response_model=Expiry, summary="The earliest known deadline")
     async def expiry() -> Response:
-        return _json(current_expiry(store, uploads, clock(), drills).to_json())
+        return _json(served(clock()).to_json())
 
     @app.get("/v1/decision", response_model=Decision,
              summary="Save now? The fixed rule: save when the time left is at most one step "
@@ -170,7 +194,7 @@ def create_app(
         save_seconds: float = _seconds("time one save takes, seconds", DEFAULT_SAVE_SECONDS),
         redundant_seconds: float = _seconds("safety margin, seconds", DEFAULT_REDUNDANT_SECONDS),
     ) -> Response:
-        current = current_expiry(store, uploads, clock())
+        current = served(clock())
         # With the uploader, a save counts once it is durable: local save + upload.
         durable_save = save_seconds + (current.upload_seconds or 0.0)
         save_now, budget = seed_rule(
@@ -194,59 +218,15 @@ def create_app(
         responses={503: {"model": HealthBody}},
     )
     async def healthz() -> Response:
-        code, body = health_body(clock())
+        code, body = health(clock())
         return _json(body, code)
 
-    def health_body(now: float) -> tuple[int, dict[str, Any]]:
-        snapshot = store.snapshot()  # one read: the verdict and the details agree
-        health = build_health(snapshot, now)
-        sources = {
-            status.name: {
-                "last_success_age_seconds": status.age(now),
-                "restored": status.restored,
-                "error": status.error,
-                "consecutive_failures": status.consecutive_failures,
-            }
-            for status in snapshot.present
-        }
-        body: dict[str, Any] = {
-            "status": health.status, "reason": health.reason, "sources": sources,
-            # --source auto: the services not found here, and why (asked again later).
-            "skipped": {status.name: status.absent for status in snapshot.sources
-                        if status.absent is not None},
-        }
-        if uploads is not None:
-            # Shown, not judged: the daemon's job (the deadline) works while storage is
-            # down, and a 503 here would make systemd or Kubernetes restart a daemon
-            # whose restart fixes nothing.
-            body["uploads"] = uploads.summary(now)
-        return (200 if health.ok else 503), body
 
-    @app.get("/v1/uploads", response_model=UploadsBody,
-             summary="Checkpoint uploads: per checkpoint state, and the last durable step")
-    async def upload_status(
-        limit: Annotated[int, Query(ge=0, le=1000, description="newest checkpoints to list"),
-                         BeforeValidator(digits)] = 100,
-    ) -> Response:
-        if uploads is None:
-            return _json({"enabled": False, "status": None, "degraded": False, "error": None,
-                          "last_durable_step": None, "checkpoints": []})
-        return _json(uploads.body(clock(), limit))
-
-    if events is not None:  # the jobs' events (sidecar.host.features.events.history)
-        add_event_routes(app, events, clock)
-    if events is not None and drills is not None:  # fire drills (features.drills)
-        add_drill_routes(app, drills, events, lambda now: store.expiry(now).expires_at_unix,
-                         clock, token)
-
-    if protection is not None:
-        @app.get("/v1/protection", summary="Per running source: does its notice hold the "
-                 "job's step + save + upload? (docs/protection.md)")
-        async def protection_verdicts() -> Response:
-            return _json(protection.body(clock()))
-
-    if reclaims is not None:  # GET, and POST from a restore (sidecar.host.features.reclaims.api)
-        add_reclaim_routes(app, reclaims, clock)
+def _add_page_routes(app: FastAPI, store: Store, parts: Mapping[str, Part],
+                     served: Callable[[float], Expiry],
+                     health: Callable[[float], tuple[int, dict[str, Any]]],
+                     clock: Clock) -> None:
+    """The status page at ``/`` (each feature's body by its name) and ``/docs``."""
 
     @app.get("/", summary="The status page (HTML): countdown, sources, saves, uploads",
              response_class=Response)
@@ -255,16 +235,12 @@ def create_app(
                                          "fetches it every 5 s)")] = False,
     ) -> Response:
         now = clock()
-        expiry = current_expiry(store, uploads, now, drills).to_json()
-        _code, health = health_body(now)
-        text = render_page(
-            expiry=expiry, health=health, moves=store.moves(), now=now, fragment=fragment,
-            events=None if events is None else events.body(limit=50, now=now),
-            uploads=None if uploads is None else uploads.body(now, 10),
-            protection=None if protection is None else protection.body(now),
-            reclaims=None if reclaims is None else reclaims.body(),
-            drills=None if drills is None else drills.body(expiry["expires_at_unix"], now),
-        )
+        current = served(now).to_json()
+        _code, healthy = health(now)
+        bodies: dict[str, Any] = {name: part.page(now, current) for name, part in parts.items()
+                  if part.page is not None}
+        text = render_page(expiry=current, health=healthy, moves=store.moves(), now=now,
+                           fragment=fragment, **bodies)
         return Response(text, media_type="text/html; charset=utf-8", headers={
             "Content-Security-Policy": CONTENT_SECURITY_POLICY, "Cache-Control": "no-store",
             "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
@@ -274,40 +250,18 @@ def create_app(
     async def docs() -> Response:
         return Response(_endpoints_page(app.openapi()), media_type="text/html")
 
-    app.add_middleware(_ExpiryFastPath, store=store, uploads=uploads, clock=clock,
-                       drills=drills)
 
-    # The app's own registry, never prometheus_client's global one: two apps in one process
-    # (the tests, the demo) each export their own daemon. process_* reads /proc (Linux).
+def _registry(store: Store, parts: Mapping[str, Part], clock: Clock) -> CollectorRegistry:
+    """The app's own registry, never prometheus_client's global one: two apps in one
+    process (the tests, the demo) each export their own daemon. process_* reads /proc."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_StoreCollector(store, clock))
     registry.register(_BuildInfo())
     ProcessCollector(registry=registry)
-    if events is not None:
-        registry.register(events)
-    if uploads is not None:
-        registry.register(uploads)
-    if protection is not None:
-        registry.register(protection)
-    if reclaims is not None:
-        registry.register(reclaims)
-    if drills is not None:
-        registry.register(DrillCollector(drills, clock))
-
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    app.add_middleware(_HeadAsGet)
-    if token is not None:
-
-        def health() -> tuple[int, str]:
-            verdict = build_health(store.snapshot(), clock())
-            return (200 if verdict.ok else 503), verdict.status
-
-        app.add_middleware(RequireToken, token=token, health=health,  # outermost
-                           writes_need_token=writes_need_token)
-    return app
+    for part in parts.values():
+        if part.metrics is not None:
+            registry.register(part.metrics)
+    return registry
 
 
 def _endpoints_page(schema: dict[str, Any]) -> str:
@@ -376,20 +330,16 @@ class _ExpiryFastPath:
     may ask every step, and the router and dependency machinery cost more than the answer.
     The body is exactly what the routed handler returns (tests compare both)."""
 
-    def __init__(self, app: Any, store: Store, uploads: Optional[UploadsView],
-                 clock: Callable[[], float], drills: Optional[DrillBoard] = None) -> None:
+    def __init__(self, app: Any, served: Callable[[float], Expiry], clock: Clock) -> None:
         self.app = app
-        self.store = store
-        self.uploads = uploads
+        self.served = served
         self.clock = clock
-        self.drills = drills
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/v1/expiry" and (
             scope["method"] == "GET"
         ):
-            body = _encode(current_expiry(self.store, self.uploads, self.clock(),
-                                          self.drills).to_json())
+            body = _encode(self.served(self.clock()).to_json())
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

@@ -13,16 +13,16 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import ClassVar, Optional, Protocol, cast
+from typing import Callable, ClassVar, Optional, Protocol, cast, runtime_checkable
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from sidecar.host.api import UploadsView, create_app
+from sidecar.host.api import create_app
 from sidecar.host.approve import Approvable, Approver
 from sidecar.host.connections import (
     MAX_CONNECTIONS,
@@ -31,11 +31,8 @@ from sidecar.host.connections import (
     connection_limit,
     raise_open_file_limit,
 )
-from sidecar.host.features.drills.api import ReportingHistory
-from sidecar.host.features.drills.board import DrillBoard
-from sidecar.host.features.events.history import EventHistory
-from sidecar.host.features.protection.board import ProtectionBoard, notice_table
-from sidecar.host.features.reclaims.ledger import ReclaimLedger
+from sidecar.host.features import Needs, Part, UploadsView
+from sidecar.host.features.registry import build_features
 from sidecar.host.logs import hold_back_repeats
 from sidecar.host.notify import notify, watchdog_interval
 from sidecar.host.poller import Poller
@@ -91,6 +88,14 @@ class UploadsLike(UploadsView, Protocol):
     def last_durable(self) -> Optional[DurableRecord]: ...
 
 
+@runtime_checkable
+class RestoreNotes(Protocol):
+    """What the follower tells the reclaims feature (its ledger): a copy it brought, from
+    the previous machine's checkpoint, opens the time to resume."""
+
+    def note_restore(self, name: str, started_unix: float, finished_unix: float) -> None: ...
+
+
 class UploaderLike(Background, Protocol):
     """What the daemon needs of the checkpoint uploader (``upload.uploader.Uploader``): a
     protocol, so the daemon loads the upload package only when upload is configured."""
@@ -108,7 +113,7 @@ class Daemon:
     connections: ConnectionGuard
     uploader: Optional[UploaderLike] = None  # when configured (--upload-to)
     approver: Optional[Approver] = None  # --azure-approve
-    events: Optional[EventHistory] = None  # what the jobs said (GET /v1/events)
+    parts: dict[str, Part] = field(default_factory=dict)  # the features built, by name
     state: Optional[StateFile] = None  # --state-file: what survives a restart
     follower: Optional[Background] = None  # upload.follower.Follower: waits for the job
 
@@ -137,11 +142,18 @@ def build_daemon(settings: Settings) -> Daemon:
     # One state file, its sections loaded together: a deadline that changed is written at
     # once, the job events within 2 s (sidecar.host.statefile).
     state = StateFile(settings.state_file)
-    drills = DrillBoard()  # in memory: a restart leaves no drill behind
-    events = ReportingHistory(drills, on_change=state.changed)
-    reclaims = ReclaimLedger(events, uploads=settings.upload_to is not None,
-                             on_change=state.changed, deadline=partial(_served_deadline, store))
-    state.add(StoreSection(store), events, reclaims)
+    state.add(StoreSection(store))
+    uploader = _build_uploader(settings, store, state) if settings.upload_to is not None else None
+    # The features (sidecar.host.features.registry), each with its state-file section.
+    needs = Needs(store, token=settings.token, on_change=state.changed, sources=sources,
+                  uploads=uploader.tracker if uploader is not None else None,
+                  notices={s.name: s.notice_seconds for s in specs()},
+                  notice_overrides=settings.notices)
+    parts = build_features(needs)
+    state.add(*(part.state for part in parts.values() if part.state is not None))
+    # The reclaims feature's ledger: the time to resume opens when the follower brings a copy.
+    ledger = parts["reclaims"].owner if "reclaims" in parts else None
+    reclaims = ledger if isinstance(ledger, RestoreNotes) else None
     rate = settings.effective_max_api_rate
     poller = Poller(
         sources, store, interval=settings.poll_interval, on_change=state.write,
@@ -149,14 +161,9 @@ def build_daemon(settings: Settings) -> Daemon:
         budget=None if rate is None else ApiBudget(rate),
         traits=traits_of(source.name for source in sources),
     )
-    uploader = _build_uploader(settings, store, state) if settings.upload_to is not None else None
     follower = _build_follower(settings, reclaims) if uploader is not None else None
     approver = _build_approver(sources, uploader) if settings.azure_approve else None
-    protection = ProtectionBoard(
-        store, notice_table({s.name: s.notice_seconds for s in specs()}, settings.notices),
-        events=events, uploads=uploader.tracker if uploader is not None else None,
-        detected={s.name: s for s in sources  # gcp on GKE: 15 s, unless --notice says
-                  if hasattr(s, "notice_seconds") and s.name not in settings.notices})
+    checks = {name: part.check for name, part in parts.items() if part.check is not None}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,7 +175,7 @@ def build_daemon(settings: Settings) -> Daemon:
         if follower is not None:
             follower.start()
         tasks = [asyncio.create_task(_announce_ready(poller, store)),
-                 asyncio.create_task(_check_protection(protection, reclaims))]
+                 asyncio.create_task(_check_features(checks))]
         if approver is not None:
             tasks.append(asyncio.create_task(_approve(approver)))
         interval = watchdog_interval()
@@ -194,24 +201,12 @@ def build_daemon(settings: Settings) -> Daemon:
             state.stop()  # the last write, after the last poll
             log.info("stopped; state flushed")
 
-    app = create_app(store, lifespan=lifespan,
-                     uploads=uploader.tracker if uploader is not None else None,
-                     token=settings.token, events=events, protection=protection,
-                     reclaims=reclaims, drills=drills,
+    app = create_app(store, parts=parts, lifespan=lifespan, token=settings.token,
                      writes_need_token=settings.writes_need_token)
     # The cap fits the open-file limit in force now (run() raises it first).
     connections = ConnectionGuard(connection_limit())
-    return Daemon(settings, store, poller, app, connections, uploader, approver, events, state,
+    return Daemon(settings, store, poller, app, connections, uploader, approver, parts, state,
                   follower)
-
-
-def _served_deadline(store: Store, now: float) -> Optional[tuple[str, float]]:
-    """The deadline the daemon's own sources serve now (a drill's never is): the releases
-    the daemon sees come from it alone (sidecar.host.features.reclaims.releases_seen)."""
-    expiry = store.expiry(now)
-    if expiry.expires_at_unix is None or expiry.source is None:
-        return None
-    return expiry.source, expiry.expires_at_unix
 
 
 def _build_uploader(settings: Settings, store: Store, state: StateFile) -> UploaderLike:
@@ -250,12 +245,13 @@ def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Uploa
             "the image built with --build-arg UPLOAD=1") from None
 
 
-def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Optional[Background]:
+def _build_follower(settings: Settings,
+                    reclaims: Optional[RestoreNotes]) -> Optional[Background]:
     """The follower (issue 40, item 2), unless --prefetch false."""
     if not settings.upload_prefetch or settings.upload_from is None:
         return None
     from sidecar.host.upload.follow_sources import S3Source, VolumeSource
-    from sidecar.host.upload.follower import Follower
+    from sidecar.host.upload.follower import Brought, Follower
     from sidecar.host.upload.location import parse_destination
     from sidecar.host.upload.storage_config import StorageConfig
 
@@ -263,9 +259,12 @@ def _build_follower(settings: Settings, reclaims: ReclaimLedger) -> Optional[Bac
     storage = StorageConfig(**storage_options(settings))
     source = VolumeSource(where, storage.max_bandwidth) if isinstance(where, Path) else \
         S3Source(storage, where)
-    return Follower(Path(settings.upload_from), source,
-                    on_brought=lambda b: reclaims.note_restore(b.name, b.started_unix,
-                                                               b.finished_unix))
+
+    def brought(copy: Brought) -> None:  # a copy it brought opens the time to resume
+        if reclaims is not None:
+            reclaims.note_restore(copy.name, copy.started_unix, copy.finished_unix)
+
+    return Follower(Path(settings.upload_from), source, on_brought=brought)
 
 
 def _build_approver(sources: list[Source], uploader: Optional[UploaderLike]) -> Approver:
@@ -296,15 +295,16 @@ async def _approve(approver: Approver) -> None:
         await asyncio.sleep(APPROVE_INTERVAL_SECONDS)
 
 
-async def _check_protection(protection: ProtectionBoard, reclaims: ReclaimLedger) -> None:
-    """A line each time a source's protection verdict changes (features.protection),
-    and the account of each release the job stopped for (features.reclaims)."""
+async def _check_features(checks: dict[str, Callable[[], None]]) -> None:
+    """Each feature's periodic check: a line each time a source's protection verdict
+    changes (features.protection), the account of each release the job stopped for
+    (features.reclaims)."""
     while True:
-        try:
-            protection.check()
-            reclaims.check()
-        except Exception as exc:  # a bug here must not stop the daemon; say where
-            log.error("judging the protection failed: %s %s", type(exc).__name__, where(exc))
+        for name, check in checks.items():
+            try:
+                check()
+            except Exception as exc:  # a bug here must not stop the daemon; say where
+                log.error("checking %s failed: %s %s", name, type(exc).__name__, where(exc))
         await asyncio.sleep(PROTECTION_CHECK_SECONDS)
 
 

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import html
-import math
 import socket
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from sidecar.host.features.registry import FEATURES
+from sidecar.host.page_parts import ago as _ago
+from sidecar.host.page_parts import escape as _e
+from sidecar.host.page_parts import event_time as _at
+from sidecar.host.page_parts import human_duration
+from sidecar.host.page_parts import seconds as _seconds
+from sidecar.host.page_parts import when as _when
 from sidecar.host.store import DeadlineMove
-from sidecar.timeparse import format_rfc3339
 
 __all__ = ["CONTENT_SECURITY_POLICY", "render_page"]
 
@@ -78,67 +82,32 @@ CONTENT_SECURITY_POLICY = (
 )
 
 
-def human_duration(seconds: float) -> str:
-    """``1 h 02 min 03 s``, ``4 min 05 s``, ``7 s``: what the script writes too."""
-    whole = max(0, math.floor(seconds))
-    hours, minutes, rest = whole // 3600, whole % 3600 // 60, whole % 60
-    parts = []
-    if hours:
-        parts.append(f"{hours} h")
-    if hours or minutes:
-        parts.append(f"{minutes:02d} min" if hours else f"{minutes} min")
-    parts.append(f"{rest:02d} s" if hours or minutes else f"{rest} s")
-    return " ".join(parts)
-
-
-def _when(unix: Optional[float]) -> str:
-    """A time to the second, in UTC: ``2026-12-01 14:53:31Z``."""
-    if unix is None:
-        return "—"
-    return html.escape(format_rfc3339(float(round(unix))).replace("T", " "))
-
-
-def _ago(now: float, unix: Optional[float]) -> str:
-    if unix is None:
-        return "never"
-    age = now - unix
-    return f"{human_duration(age)} ago" if age >= 0 else f"in {human_duration(-age)}"
-
-
-def _e(value: Any) -> str:
-    return html.escape("" if value is None else str(value))
-
-
 def render_page(
     *,
     expiry: dict[str, Any],
     health: dict[str, Any],
     moves: Sequence[DeadlineMove],
-    events: Optional[dict[str, Any]],
-    uploads: Optional[dict[str, Any]],
     now: Optional[float] = None,
     fragment: bool = False,
     host: Optional[str] = None,
-    protection: Optional[dict[str, Any]] = None,
-    reclaims: Optional[dict[str, Any]] = None,
-    drills: Optional[dict[str, Any]] = None,
+    **bodies: Optional[dict[str, Any]],
 ) -> str:
     """The page (or only its ``<main>`` content, ``fragment``) for these bodies: the
-    ``/v1/expiry``, ``/healthz``, ``/v1/events`` and ``/v1/uploads`` answers."""
+    ``/v1/expiry`` and ``/healthz`` answers, and each feature's body by its name (``events``,
+    ``uploads``, ...: ``features.Part.page``; a feature left out is shown as off)."""
     now = time.time() if now is None else now
-    body = "".join((
-        _header(health, host or socket.gethostname()),
-        _countdown(expiry, now),
-        _decision(expiry, events, now),
-        _protection(protection),
-        _timeline(expiry, moves, events, uploads, now),
-        _sources(health, now),
-        _moves(moves, now),
-        _saves(events, now),
-        _uploads(uploads, now),
-        _reclaims(reclaims),
-        _drills(drills, now),
-    ))
+    events, uploads = bodies.get("events"), bodies.get("uploads")
+    sections = [
+        (10, _header(health, host or socket.gethostname())),
+        (20, _countdown(expiry, now)),
+        (30, _decision(expiry, events, now)),
+        (50, _timeline(expiry, moves, events, uploads, now)),
+        (60, _sources(health, now)),
+        (70, _moves(moves, now)),
+    ]
+    sections += [(feature.page.order, feature.page.render(bodies.get(feature.name), now))
+                 for feature in FEATURES if feature.page is not None]
+    body = "".join(text for _order, text in sorted(sections, key=lambda s: s[0]))
     if fragment:
         return body
     return (
@@ -237,73 +206,6 @@ def _decision(expiry: dict[str, Any], events: Optional[dict[str, Any]], now: flo
             f"<br>{rule}<br>{saved}; {durable_text}</div>")
 
 
-def _protection(protection: Optional[dict[str, Any]]) -> str:
-    """Per running source: does its notice hold the job's step + save + upload?"""
-    if not protection or not protection.get("sources"):
-        return ""
-    rows = []
-    for verdict in protection["sources"]:
-        status = str(verdict.get("status"))
-        css = {"protected": "", "not-protected": "bad", "not-working": "bad"}.get(status, "muted")
-        notice = verdict.get("notice_seconds")
-        rows.append(f"<tr class=\"verdict\" data-status=\"{_e(status)}\"><td>"
-                    f"{_e(verdict.get('source'))}</td><td>"
-                    f"{'ahead' if notice is None else _seconds(notice)}</td>"
-                    f"<td class=\"{css}\">{_e(status)}</td><td>{_e(verdict.get('reason'))}"
-                    "</td></tr>")
-    return ("<h2>Protection</h2><table id=\"protection\"><tr><th>source</th><th>notice</th>"
-            "<th>verdict</th><th>why</th></tr>" + "".join(rows) + "</table>")
-
-
-def _reclaims(reclaims: Optional[dict[str, Any]]) -> str:
-    """A bar per release, newest right: the GPU time it cost, its idle and redone parts."""
-    costs = list(reversed((reclaims or {}).get("reclaims") or []))[-20:]
-    if not costs:
-        return ""
-    tallest = max(1.0, *(float(c.get("lost_seconds") or 0) for c in costs))
-    bars = []
-    for index, cost in enumerate(costs):
-        lost = float(cost.get("lost_seconds") or 0)
-        x, height = 10 + index * 46, 90 * lost / tallest
-        parts = [("lost", lost, "#8c959f"), ("redone", float(cost.get("redone_seconds") or 0),
-                 "#cf222e"), ("idle", float(cost.get("idle_seconds") or 0), "#9a6700")]
-        for name, seconds, colour in parts:
-            tall = 90 * min(seconds, lost) / tallest
-            width = 36 if name == "lost" else 16
-            offset = 0 if name == "lost" else (2 if name == "redone" else 18)
-            bars.append(f"<rect class=\"{name}\" x=\"{x + offset}\" y=\"{100 - tall:.1f}\" "
-                        f"width=\"{width}\" height=\"{tall:.1f}\" fill=\"{colour}\"><title>"
-                        f"step {_e(cost.get('resumed_step'))}: {human_duration(seconds)} "
-                        f"{name}</title></rect>")
-        bars.append(f"<text x=\"{x + 18}\" y=\"{max(10.0, 96 - height):.0f}\" font-size=\"10\" "
-                    f"text-anchor=\"middle\">{_e(human_duration(lost))}</text>")
-    ratio = (reclaims or {}).get("effective_ratio")
-    effective = "" if ratio is None else f"; effective training time {100 * ratio:.0f} %"
-    return (f"<h2>What each release cost</h2><svg id=\"reclaims\" viewBox=\"0 0 "
-            f"{20 + 46 * len(costs)} 110\" role=\"img\" aria-label=\"GPU time each release "
-            f"cost\">{''.join(bars)}</svg><p class=\"muted\">Grey: GPU time lost; red: of it "
-            f"redone; amber: idle. {_e(reclaims and reclaims.get('count'))} release(s)"
-            f"{effective}.</p>{_resume(costs)}")
-
-
-def _resume(costs: list[dict[str, Any]]) -> str:
-    """The newest release's time to resume on the next machine, split (issue 40)."""
-    closed = [c for c in costs if c.get("resume_seconds") is not None]
-    if not closed:
-        return ""
-    last = closed[-1]
-    split = ", ".join(f"{label} {_seconds(last.get(key))}" for label, key in (
-        ("waiting for a machine", "waiting_seconds"), ("restore", "restore_seconds"),
-        ("start-up", "startup_seconds")))
-    return (f"<p id=\"resume\">Step {_e(last.get('resumed_step'))}: training again "
-            f"{_e(human_duration(float(last['resume_seconds'])))} after the release "
-            f"({_e(split)}).</p>")
-
-
-def _seconds(value: Any) -> str:
-    return "?" if value is None else f"{float(value):.1f} s"
-
-
 def _timeline(expiry: dict[str, Any], moves: Sequence[DeadlineMove],
               events: Optional[dict[str, Any]], uploads: Optional[dict[str, Any]],
               now: float) -> str:
@@ -356,10 +258,6 @@ def _timeline(expiry: dict[str, Any], moves: Sequence[DeadlineMove],
             f"role=\"img\" aria-label=\"saves and the release\">{''.join(marks)}</svg>{legend}")
 
 
-def _at(event: dict[str, Any]) -> float:
-    return float(event.get("at_unix") or event.get("received_at_unix") or 0.0)
-
-
 def _sources(health: dict[str, Any], now: float) -> str:
     rows = []
     for name, info in (health.get("sources") or {}).items():
@@ -398,67 +296,3 @@ def _moves(moves: Sequence[DeadlineMove], now: float) -> str:
             "<th>deadline</th></tr>" + "".join(rows) + "</table>")
 
 
-def _saves(events: Optional[dict[str, Any]], now: float) -> str:
-    listed = [e for e in (events or {}).get("events", ())
-              if e.get("kind") in ("save-finished", "durable")][:20]
-    if not listed:
-        return ""
-    rows = []
-    for event in listed:
-        if event["kind"] == "durable":
-            lead = event.get("lead_seconds")
-            until = "the drill deadline" if event.get("save") == "drill" else "the release"
-            what = "durable" + ("" if lead is None else
-                                f", {human_duration(abs(lead))} "
-                                f"{'before' if lead >= 0 else 'after'} {until}")
-        else:
-            what = (f"{_e(event.get('save') or 'routine')} save, "
-                    f"{_seconds(event.get('seconds'))}"
-                    f"{' (asynchronous)' if event.get('asynchronous') else ''}")
-        rows.append(f"<tr class=\"save-row\"><td>{_ago(now, _at(event))}</td>"
-                    f"<td>{_e(event.get('step'))}</td><td>{what}</td></tr>")
-    return ("<h2>Checkpoints</h2><table id=\"saves\"><tr><th>when</th><th>step</th>"
-            "<th>what</th></tr>" + "".join(rows) + "</table>")
-
-
-def _uploads(uploads: Optional[dict[str, Any]], now: float) -> str:
-    if uploads is None or not uploads.get("enabled"):
-        return ("<h2>Uploads</h2><p class=\"muted\" id=\"uploads\">No uploader on this daemon "
-                "(--upload-to): a checkpoint on local disk goes with the machine.</p>")
-    status = uploads.get("status") or "ok"
-    css = "bad" if uploads.get("degraded") else ""
-    error = uploads.get("error")
-    step = uploads.get("last_durable_step")
-    rows = []
-    for item in (uploads.get("checkpoints") or [])[:10]:
-        rows.append(f"<tr><td>{_e(item.get('name'))}</td><td>{_e(item.get('state'))}</td>"
-                    f"<td>{_e(item.get('progress') or item.get('bytes_done') or '')}</td></tr>")
-    table = ("<table><tr><th>checkpoint</th><th>state</th><th>progress</th></tr>"
-             + "".join(rows) + "</table>") if rows else ""
-    return (f"<h2>Uploads</h2><p id=\"uploads\"><span class=\"{css}\">{_e(status)}</span>"
-            f"{' — ' + _e(error) if error else ''}; last durable step "
-            f"{_e(step) if step is not None else 'none'} "
-            f"({_ago(now, uploads.get('last_durable_at_unix'))})</p>{table}")
-
-
-def _drills(drills: Optional[dict[str, Any]], now: float) -> str:
-    """The last fire drills (``GET /v1/drill``): verdict, figures, reason."""
-    listed = (drills or {}).get("drills") or []
-    if not listed:
-        return ""
-    rows = []
-    for drill in listed[:5]:
-        figures = drill.get("figures") or {}
-        verdict = drill.get("verdict") or drill.get("state")
-        css = "bad" if verdict == "FAIL" else ""
-        numbers = ", ".join(f"{label} {_seconds(figures[key])}" for key, label in (
-            ("budget_seconds", "budget"), ("save_seconds", "save"),
-            ("upload_seconds", "upload"), ("durable_seconds", "durable after"))
-            if figures.get(key) is not None)
-        rows.append(f"<tr class=\"drill-row\"><td>{_e(drill.get('id'))}</td>"
-                    f"<td>{_ago(now, drill.get('started_at_unix'))}</td>"
-                    f"<td class=\"{css}\">{_e(verdict)}</td><td>{_e(figures.get('step'))}</td>"
-                    f"<td>{_e(numbers)}</td><td>{_e(drill.get('reason') or '')}</td></tr>")
-    return ("<h2>Fire drills</h2><table id=\"drills\"><tr><th>drill</th><th>started</th>"
-            "<th>verdict</th><th>step</th><th>figures</th><th>why</th></tr>"
-            + "".join(rows) + "</table>")

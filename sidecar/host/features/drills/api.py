@@ -1,5 +1,5 @@
-"""The fire drill over HTTP: ``POST``/``GET /v1/drill``, its metrics, and the job events'
-reports handed to the board (docs/drill.md).
+"""The fire drill over HTTP: ``POST``/``GET /v1/drill``, its metrics, and the guards'
+reports among the job events handed to the board (docs/drill.md).
 
 Who may start one: a process on this host (loopback), or a peer with the daemon's token
 (the token middleware, ``sidecar.host.auth``, already turned the others away; checked here
@@ -20,33 +20,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from sidecar.host.auth import is_loopback
 from sidecar.host.features.drills.board import RESULTS, DrillBoard, DrillRefused
-from sidecar.host.features.events.history import EventHistory, JobEvent
+from sidecar.host.features.events import EventHistory, JobEvent
 from sidecar.host.json_body import BodyRefused, json_object, read_json_body
 
-__all__ = ["DrillCollector", "ReportingHistory", "add_drill_routes"]
+__all__ = ["DrillCollector", "add_drill_routes", "report_drills"]
 
 MAX_BODY_BYTES = 4096
 
 RealDeadline = Callable[[float], Optional[float]]  # now -> the earliest real deadline
 
 
-class ReportingHistory(EventHistory):
-    """The job events, with each guard's ``"drill"`` report handed to the board too."""
-
-    def __init__(self, board: DrillBoard, **options: Any) -> None:
-        super().__init__(**options)
-        self.board = board
-
-    def add(self, events: Iterable[JobEvent], now: Optional[float] = None,
-            peer: Optional[str] = None) -> dict[str, int]:
-        events = list(events)
-        now = self._clock() if now is None else now
-        counts = super().add(events, now, peer)
-        for event in events:
-            if event.kind == "drill" and event.drill is not None:
-                self.board.report(event.drill, job=event.job, rank=event.rank,
-                                  step=event.step, reason=event.reason, now=now)
-        return counts
+def report_drills(board: DrillBoard, events: Iterable[JobEvent], now: float) -> None:
+    """Each guard's ``"drill"`` report among the job events posted, handed to the board
+    (an ``EventHistory`` listener)."""
+    for event in events:
+        if event.kind == "drill" and event.drill is not None:
+            board.report(event.drill, job=event.job, rank=event.rank,
+                         step=event.step, reason=event.reason, now=now)
 
 
 def _answer(body: Any, status: int = 200) -> Response:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from sidecar.host.features.events.drill_report import DrillReport
+from sidecar.host.features.events import DrillReport
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",

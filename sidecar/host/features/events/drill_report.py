@@ -1,8 +1,8 @@
 """What a guard reports on a fire drill: the ``drill`` object of a ``"drill"`` job event.
 
-Its own module so that the event model (``features.events.history``) and the drill board
-(``features.drills.board``) both read it without importing each other. Strict, as every
-field of an event: unknown fields and wrong types are refused (docs/drill.md).
+Part of the event model (``features.events.history``); the drill board
+(``features.drills.board``) reads it from the events package. Strict, as every field
+of an event: unknown fields and wrong types are refused (docs/drill.md).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from sidecar.host.connections import HEADER_TIMEOUT_SECONDS
 from sidecar.host.features.events.drill_report import DrillReport
 from sidecar.host.token_buckets import KeyedBuckets
 
-__all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "problem_line"]
+__all__ = ["EVENTS_STATE_KEY", "KINDS", "EventHistory", "JobEvent", "Listener", "problem_line"]
 
 log = logging.getLogger("sidecar.host.events")
 
@@ -181,6 +181,10 @@ def carries_a_save(kind: str, save: Optional[str]) -> bool:
     return kind in SAVE_KINDS or save in ("final", "top-up", "drill")
 
 
+# Told of each batch posted, kept or not, and when (EventHistory.listen).
+Listener = Callable[[list[JobEvent], float], None]
+
+
 class EventHistory:
     """The node's bounded history of job events, its summary and its counters.
 
@@ -208,6 +212,7 @@ class EventHistory:
         self._lock = threading.Lock()
         self._clock = clock
         self._on_change = on_change
+        self._listeners: list[Listener] = []
         self._length = length
         self._events: deque[dict[str, Any]] = deque()  # oldest first, at most length
         self._held: dict[str, int] = {}  # events in the history per job, oldest job first
@@ -230,7 +235,9 @@ class EventHistory:
     def add(self, events: Iterable[JobEvent], now: Optional[float] = None,
             peer: Optional[str] = None) -> dict[str, int]:
         """Keep validated events, oldest first, within the rates of their job and of the
-        ``peer`` that sent them (its address); the counts of each fate."""
+        ``peer`` that sent them (its address); the counts of each fate. Every listener is
+        handed the batch too, each event kept or not (:meth:`listen`)."""
+        events = list(events)
         now = self._clock() if now is None else now
         accepted = dropped = flagged = 0
         with self._lock:
@@ -252,7 +259,14 @@ class EventHistory:
             self._flagged["step-backwards"] += flagged
         if accepted and self._on_change is not None:
             self._on_change()
+        for listener in self._listeners:
+            listener(events, now)
         return {"accepted": accepted, "dropped": dropped, "flagged": flagged}
+
+    def listen(self, listener: Listener) -> None:
+        """Hand each batch posted to ``listener(events, now)`` after it was taken in (the
+        fire drills read the guards' reports there: ``features.drills``)."""
+        self._listeners.append(listener)
 
     def _admit(self, event: JobEvent, peer: Optional[str]) -> bool:
         """Whether the event is within its rates: a save or durability its job's bucket of
