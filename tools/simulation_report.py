@@ -26,7 +26,12 @@ from sidecar.tools.simulate.command import (
     progress,
     run_selected,
 )
-from sidecar.tools.simulate.engine import WINDOW_MARGIN_SECONDS, Result, top_up_sweep
+from sidecar.tools.simulate.engine import (
+    COMMIT_TAIL_SECONDS,
+    WINDOW_MARGIN_SECONDS,
+    Result,
+    top_up_sweep,
+)
 from sidecar.tools.simulate.policies import POLICIES
 from sidecar.tools.simulate.table import (
     INFEASIBLE,
@@ -115,11 +120,13 @@ def _no_top_up_text(results: Sequence[Result], policy: str = "sidecar") -> str:
         "one final save there, loses the margin as before, and misses nothing. A top-up "
         "needs a typical step, a save and its upload to fit in what is left after the final "
         "save; that fails when the save takes longer than assumed (`slow-saves`: 150 s "
-        "against the 60 s assumed before any save was measured), when the upload of one "
-        "checkpoint is longer than a step and a save (`upload-3min`: a top-up becomes "
-        "durable only after the final checkpoint's upload, which the uploader finishes "
-        "first so that the final checkpoint is never put at risk for a top-up), or when "
-        "the notice comes too late (`spot-notice-120s`). "
+        "against the 60 s assumed before any save was measured), when the daemon's "
+        "estimate, asked right after the final save, counts the final checkpoint whole "
+        "while its upload still runs (`upload-1min`, `upload-3min`: streamed, it is "
+        "durable a few seconds to two minutes after its save, but the estimate is its whole "
+        "upload x1.2 until then, and the uploader finishes it before a top-up so that the "
+        "final checkpoint is never put at risk for one), or when the notice comes too late "
+        "(`spot-notice-120s`). "
         + (f"The target is then missed on {', '.join(missed)}: the one safe save comes "
            "earlier than the oracle's perfectly timed one by more than a step and 10 %, "
            "and no second save fits; only a policy that gives up the final save's margin "
@@ -241,7 +248,7 @@ def render_document(
     policies = list(dict.fromkeys(r.policy for r in results))
     workload_rows = "\n".join(
         f"| {w.name} | {w.description} | {w.step_max_seconds:.0f} | {w.save_max_seconds:.0f} "
-        f"| {w.upload_max_seconds:.0f} | {w.stress or '-'} |"
+        f"| {w.upload_max_seconds:.0f} | {w.durable_max_seconds:.0f} | {w.stress or '-'} |"
         for w in (WORKLOADS[n] for n in workloads if n in WORKLOADS)
     )
     policy_rows = "\n".join(
@@ -257,6 +264,7 @@ def render_document(
         seeds=seeds,
         delay=f"{notice_delay_seconds:g}",
         margin=f"{WINDOW_MARGIN_SECONDS:g}",
+        tail=f"{COMMIT_TAIL_SECONDS:g}",
         top_up=f"{DEFAULT_TOP_UP_SECONDS:g}",
         headline="\n".join(headline(results)),
         workloads=workload_rows,
@@ -398,13 +406,21 @@ durations, so thousands of two-hour runs take seconds.
   drawn duration. The run starts from a durable checkpoint (a resumed job).
 - **Durability.** The machine's local disk goes with it. Without an uploader a local
   save is durable at once; with one (`upload-*` workloads) a checkpoint is durable when
-  its upload ends. The uploader is the daemon's: one upload at a time, newest first (an
-  older one waiting is skipped), and near the release (within 600 s, or twice the
-  estimate) an upload in progress gives way to a newer checkpoint unless both still end
-  before the known deadline. The policies are told the uploader's estimate (the
-  largest of the last 3 at the slow-tail rate x 1.2: docs/upload.md), as `/v1/expiry` serves it,
-  with the count of uploads it rests on: the guard keeps the estimate its checkpoint
-  carried (the uploader's before the run) as a floor until 10 uploads were measured.
+  its commit ends. The uploader is the daemon's, and **streams**: its one thread sends a
+  save's files while the save writes them, so with the thread free a checkpoint is
+  durable at max(save end, stream start + upload) + the commit's tail ({tail} s: the last
+  file, the manifest). The thread is not free while an older checkpoint uploads or
+  waits: the save's stream starts when that one is durable, and a checkpoint saved while
+  one uploads waits for it (newest first: an older one waiting is skipped), except near
+  the release (within 600 s, or twice the estimate), where the running upload gives way
+  to it unless both still end before the known deadline (`plan.gives_way`). The
+  policies are told the uploader's estimate as `/v1/expiry` serves it, computed by the
+  daemon's own code (`plan.estimate_seconds`): the largest of the newest 3 checkpoints'
+  bytes left after their save (a checkpoint not yet durable counts whole) at the
+  slow-tail rate x 1.2, never less than their measured times from the commit's start to
+  durable x 1.2 (docs/upload.md), with the count of uploads it rests on: the guard keeps
+  the estimate its checkpoint carried (the uploader's before the run, which streamed its
+  uploads too) as a floor until 10 uploads were measured.
 - The machine is reclaimed when the true deadline is reached. The deadline may move
   mid-run; the job learns of a move **{delay} s** after it happened (the daemon serves it
   after its next poll; 2 s on the spot-notice workloads, the aws source's poll). A
@@ -422,11 +438,13 @@ durations, so thousands of two-hour runs take seconds.
 ## Workloads
 
 `step max`, `save max` and `upload max` are the largest durations the workload can
-draw; they set feasibility and the final window. Stress workloads hide something from
-a policy that only knows its own measurements; they are reported apart.
+draw, `durable max` the longest from a save's start to durable (the upload streamed:
+the longer of save max and upload max, then the commit's tail); step max and durable
+max set feasibility and the final window. Stress workloads hide something from a
+policy that only knows its own measurements; they are reported apart.
 
-| workload | description | step max s | save max s | upload max s | stress: what it hides |
-|---|---|---:|---:|---:|---|
+| workload | description | step max s | save max s | upload max s | durable max s | stress: hides |
+|---|---|---:|---:|---:|---:|---|
 {workloads}
 
 ## Policies
@@ -454,20 +472,22 @@ upload in the budget, no top-up, the job exits after its final save.
 
 - **lead time**: reclaim time minus the time the job learned the deadline that was
   enforced (the whole run for a release known from the start).
-- **feasible**: lead time >= step max + save max + upload max: from the worst moment (a
-  worst-case step just started) one more step, one save and its upload still fit. Where
+- **feasible**: lead time >= step max + durable max: from the worst moment (a
+  worst-case step just started) one more step, one save and its upload (streamed while
+  the save writes) still fit. Where
   no run is feasible the table says "{infeasible}"; such runs are not counted as a
   policy's misses.
 - **final window**: opens at the later of the moment the job learned the enforced
-  deadline and `W` before the reclaim, `W = step max + save max + upload max + {margin} s`
-  (the seed rule's budget with the workload's worst step, save and upload, and the
-  guide's margin).
+  deadline and `W` before the reclaim, `W = step max + durable max + {margin} s` (the
+  seed rule's budget with the workload's worst step, save and upload, and the guide's
+  margin).
 - **missed**: at the reclaim, training was done since the newest *durable* checkpoint
   and that checkpoint's save ended before the final window opened.
 - **lost min**: GPU time per reclaim after the training state the next machine resumes
   from (the start of the newest durable checkpoint's save) until the reclaim: the final
   save itself, steps to redo, idling. Per GPU: multiply by the job's GPU count. The
-  oracle's is the least one save can do (its save, its upload and less than a step).
+  oracle's is the least one save can do (the longer of its save and its upload, the
+  commit, and less than a step).
 - **saves**: completed saves per run. **saves in final window**: saves ending inside the
   final window, the one cut by the reclaim included (mean, and the most in any run).
   **cut by reclaim**: runs whose last save was in progress at the reclaim. **saving

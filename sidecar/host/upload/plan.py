@@ -2,7 +2,7 @@
 
 Pure (issue 21, item 4): plain numbers in, plain numbers out; no I/O, no clock, no settings,
 standard library only. The daemon's uploader (``status``, ``uploader``) and the simulator
-(``sidecar.tools.simulate.engine``) both decide with these functions, so the figures the
+(``sidecar.tools.simulate.uploads``) both decide with these functions, so the figures the
 simulator prints are the rule the daemon runs. How near is near is a setting
 (``--upload-near-release``, its default in ``sidecar.host.settings``), passed in: the
 settings module must not load this package when upload is off.
@@ -43,6 +43,7 @@ __all__ = [
     "RATE_WINDOW",
     "SIZE_WINDOW",
     "SLOW_QUANTILE",
+    "estimate_seconds",
     "gives_way",
     "in_progress_rate",
     "largest_recent",
@@ -159,6 +160,20 @@ def next_upload_seconds(sizes: Sequence[float], rate: Optional[float]) -> Option
     if largest is None or not rate:
         return None
     return upload_seconds(largest, rate)
+
+
+def estimate_seconds(sizes: Sequence[float], rate: Optional[float],
+                     durations: Sequence[Optional[float]]) -> Optional[float]:
+    """What the daemon serves as the next upload's duration (``upload_seconds``):
+    :func:`next_upload_seconds`, never less than the newest ``SIZE_WINDOW`` checkpoints'
+    measured times from their commit's start to durable (``durations``: newest first,
+    None where none was measured) x ``ESTIMATE_MARGIN``: a commit that sends nothing
+    after its save (all of it streamed) still fsyncs, renames and writes its manifest."""
+    estimate = next_upload_seconds(sizes, rate)
+    if estimate is None:
+        return None
+    measured = [seconds for seconds in durations[:SIZE_WINDOW] if seconds is not None]
+    return max([estimate, *(seconds * ESTIMATE_MARGIN for seconds in measured)])
 
 
 def near_release(remaining: Optional[float], near_release_seconds: float,

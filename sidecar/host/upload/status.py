@@ -281,14 +281,11 @@ class UploadTracker:
         records = self.records()
         sizes = [r.bytes_total if r.bytes_after_save is None else r.bytes_after_save
                  for r in records]
-        estimate = plan.next_upload_seconds(sizes, self.throughput())
-        if estimate is None:
-            return None
         # A commit that sends nothing still takes time (fsync, rename, the last requests):
         # never less than the recent measured times from the end of a save to durable.
-        measured = [r.duration_seconds for r in records[:plan.SIZE_WINDOW]
-                    if r.bytes_after_save is not None and r.duration_seconds is not None]
-        return max([estimate, *(seconds * plan.ESTIMATE_MARGIN for seconds in measured)])
+        measured = [r.duration_seconds if r.bytes_after_save is not None else None
+                    for r in records]
+        return plan.estimate_seconds(sizes, self.throughput(), measured)
 
     def durability(self) -> tuple[Optional[float], str, int]:
         """What ``/v1/expiry`` serves: ``(next_upload_seconds, status, measured)``,

@@ -6,23 +6,26 @@ docs/simulation.md states; keep the two in step.
 
 - The machine is reclaimed at the first instant the true deadline is reached; its local
   disk goes with it. A checkpoint counts only once it is *durable*: at once without an
-  uploader, else when its upload ended (see :class:`Uploads`, the daemon's uploader in a
-  few lines: one upload at a time, newest first, an older one near the release yields to
-  a newer one unless both still end in time; the estimate and that rule are the daemon's
-  own, ``sidecar.host.upload.plan``, the upload in progress included). The link may slow
-  (the workload's ``link_halves``); while no upload runs the daemon probes it as
-  ``plan.probe_interval`` says (a probe takes no time from the uploads here: it sends
-  ``plan.PROBE_SECONDS`` of bytes, and the link is idle). The first estimate is the one
-  the checkpoint carried from the machine before: its daemon's, over ``plan.RATE_WINDOW``
-  uploads it measured.
+  uploader, else when its commit ended (see :class:`Uploads` in ``uploads``, the daemon's
+  uploader in a few lines: one thread, which streams a save's files while they are
+  written when it is free, so durable = max(save end, stream start + upload) + the
+  commit's tail; a checkpoint saved while another uploads waits for it, newest first,
+  unless near the release the running one gives way to it as ``plan.gives_way`` says;
+  the estimate served is the daemon's own, ``plan.estimate_seconds``, the upload in
+  progress included). The link may slow (the workload's ``link_halves``); while the
+  thread is free and no save runs the daemon probes it as ``plan.probe_interval`` says
+  (a probe takes no time from the uploads here: it sends ``plan.PROBE_SECONDS`` of
+  bytes, and the link is idle). The first estimate is the one the checkpoint carried
+  from the machine before: its daemon's, over ``plan.RATE_WINDOW`` uploads it streamed.
 - A deadline change reaches the job ``notice_delay_seconds`` after it happened (the daemon
   serves it after its next poll); the deadline known at the start is known at once.
 - ``lead``: reclaim time minus the time the job learned the deadline that was enforced.
-  A run is *feasible* when ``lead >= step_max + save_max + upload_max``: even from the
-  worst point (a worst-case step just started) one more step, one save and its upload fit.
+  A run is *feasible* when ``lead >= step_max + durable_max`` (``Workload``'s: the longer
+  of the longest save and upload, then the commit): even from the worst point (a
+  worst-case step just started) one more step, one save and its upload fit.
 - The *final window* opens at the later of that learning time and ``W`` before the
-  reclaim, ``W = step_max + save_max + upload_max + 120 s`` (the seed rule's budget with
-  the workload's worst step, save and upload, and the guide's margin).
+  reclaim, ``W = step_max + durable_max + 120 s`` (the seed rule's budget with the
+  workload's worst step, save and upload, and the guide's margin).
 - A run *misses* when, at the reclaim, training was done since the newest durable
   checkpoint and that checkpoint's save ended before the final window opened.
 - *Lost* GPU time: everything after the training state the next machine resumes from
@@ -38,7 +41,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from sidecar.host.settings import DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.host.upload import plan
 from sidecar.tools.simulate.policies import (
     POLICIES,
@@ -48,10 +50,17 @@ from sidecar.tools.simulate.policies import (
     get_policy,
     top_up_policy,
 )
+from sidecar.tools.simulate.uploads import (
+    Checkpoint,
+    Uploads,
+    durable_times,
+    saved_estimate,
+    streamed,
+)
 from sidecar.tools.simulate.workloads import (
+    COMMIT_TAIL_SECONDS,
     WORKLOADS,
     DeadlineChange,
-    Link,
     Workload,
     get_workload,
 )
@@ -59,8 +68,10 @@ from sidecar.train.policy import quantile
 from sidecar.train.reclaim_cost import lost_seconds, redone_seconds
 
 __all__ = [
+    "COMMIT_TAIL_SECONDS",
     "DEFAULT_NOTICE_DELAY_SECONDS",
     "WINDOW_MARGIN_SECONDS",
+    "Checkpoint",
     "Result",
     "RunOutcome",
     "Uploads",
@@ -71,10 +82,6 @@ __all__ = [
 ]
 
 DEFAULT_NOTICE_DELAY_SECONDS = 30.0  # one poll interval of the daemon (its default)
-# The plan's amounts here are upload durations, the daemon's bytes: at rate 1 an upload's
-# amount is its own duration.
-UPLOAD_RATE = 1.0
-FULL_SPEED = Link()  # a link that never slows
 WINDOW_MARGIN_SECONDS = 120.0  # the ESI guide's redundant time, used to size the final window
 # The top-up margins compared to choose SavePolicy's default (None: no top-up).
 TOP_UP_MARGINS: tuple[Optional[float], ...] = (None, 0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -132,18 +139,6 @@ class Result:
         return self.runs - self.feasible_runs
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A completed local save: the training state of ``state_seconds``, on disk at
-    ``saved_seconds``, with ``upload_seconds`` to upload (the amount: its duration at
-    ``upload_rate`` 1 on a link at full speed)."""
-
-    state_seconds: float
-    saved_seconds: float
-    upload_seconds: float
-    upload_rate: float = 1.0
-
-
 def _known_from(change: DeadlineChange, notice_delay_seconds: float) -> float:
     return 0.0 if change.at_seconds <= 0 else change.at_seconds + notice_delay_seconds
 
@@ -155,185 +150,6 @@ def _reclaim(changes: Sequence[DeadlineChange]) -> tuple[float, int]:
         if change.deadline_seconds is not None and change.deadline_seconds < ends:
             return max(change.deadline_seconds, change.at_seconds), index
     raise ValueError("the schedule never reclaims the machine")
-
-
-class Uploads:
-    """The daemon's uploader in a few lines, fed the checkpoints as they are saved: one
-    upload at a time; a checkpoint arriving while one runs waits (replacing an older one
-    waiting, which is skipped); near the release the running upload gives way to the newer
-    one as ``plan.gives_way`` says (the daemon's default ``--upload-near-release``; the
-    newer one's size guessed as the largest recent upload). The estimate it serves is the
-    daemon's: ``plan`` over the uploads done, updated by the one in progress
-    (``plan.in_progress_rate``); ``first_estimate`` (the one saved in the checkpoint)
-    until one was done here; ``prior``: the ``(amount, seconds)`` the machine before
-    measured, the rate the give-way rule assumes until then. While none runs, the link is
-    probed (``plan.probe_interval``; ``probe_rate(k)``: the link's rate the k-th probe
-    meets, on top of ``link``; ``probes=False``: never, as before issue 23)."""
-
-    def __init__(self, known_deadline: Callable[[float], Optional[float]],
-                 first_estimate: Optional[float], *, link: Link = FULL_SPEED,
-                 prior: Sequence[tuple[float, float]] = (),
-                 probe_rate: Callable[[int], float] = lambda index: 1.0,
-                 probes: bool = True) -> None:
-        self._known_deadline = known_deadline
-        self._first_estimate = first_estimate
-        self._link = link
-        self._prior = list(prior)
-        self.checkpoints: list[Checkpoint] = []
-        self.durable: list[float] = []  # inf: not (yet) durable
-        # Amounts, oldest first, for the newer one's size (the saved estimate's first).
-        self._sizes = [] if first_estimate is None else [first_estimate / plan.ESTIMATE_MARGIN]
-        self._done: list[tuple[float, float]] = []  # (amount, seconds) uploaded here
-        self._running: Optional[tuple[int, float, float]] = None  # index, started, ends
-        self._waiting: Optional[int] = None
-        self._probes = probes
-        self._probe_rate = probe_rate
-        self._measured_at = 0.0  # the last upload's end or probe
-        self._probes_since: list[float] = []  # rates the probes since the last upload measured
-        self.probe_count = 0
-        self._probe_at: Optional[float] = None  # when the next probe goes (cached)
-
-    def _start(self, index: int, at: float) -> None:
-        checkpoint = self.checkpoints[index]
-        ends = self._link.ends(at, checkpoint.upload_seconds, checkpoint.upload_rate)
-        self._running = (index, at, ends)
-
-    def _next_probe(self) -> float:
-        """When the next probe goes: the first instant, after the last measurement, at
-        which ``plan.probe_interval`` (the deadline known then) has passed since it; inf
-        while an upload runs, or before any checkpoint was seen. Both inputs change only
-        at a measurement (the schedule is fixed), so it is worked out once per one."""
-        if not self._probes or self._running is not None or not self._sizes:
-            return math.inf
-        if self._probe_at is None:
-            last = self._measured_at
-            at = last + plan.PROBE_NEAR_SECONDS
-            far = last + plan.PROBE_FAR_SECONDS
-            estimate = plan.next_upload_seconds(self._sizes[::-1], self.rate(last))
-            while at < far:
-                deadline = self._known_deadline(at)
-                remaining = None if deadline is None else deadline - at
-                if plan.probe_interval(remaining, DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-                                       estimate) <= at - last:
-                    break
-                at += plan.PROBE_NEAR_SECONDS
-            self._probe_at = min(at, far)
-        return self._probe_at
-
-    def _send_probe(self, at: float) -> None:
-        """A probe at ``at``: ``plan.PROBE_SECONDS`` worth at the rate assumed, through the
-        link as it is then."""
-        amount = plan.probe_amount(self.rate(at) or UPLOAD_RATE)
-        link_rate = self._probe_rate(self.probe_count)
-        self._probes_since.append(amount / (self._link.ends(at, amount, link_rate) - at))
-        self.probe_count += 1
-        self._measured_at, self._probe_at = at, None
-
-    def advance(self, until: float) -> None:
-        """Finish every upload that ends by ``until``, probing the link when it is due
-        (``until`` inf: finish the uploads only, the run is over)."""
-        while True:
-            probe_at = math.inf if math.isinf(until) else self._next_probe()
-            if self._running is None:
-                if probe_at > until or math.isinf(probe_at):
-                    return
-                self._send_probe(probe_at)
-                continue
-            index, started, ends = self._running
-            if ends > until:
-                return
-            self.durable[index] = ends
-            amount = self.checkpoints[index].upload_seconds
-            self._done.append((amount, ends - started))
-            self._sizes.append(amount)
-            self._running = None
-            self._measured_at, self._probe_at = ends, None
-            self._probes_since = []
-            if self._waiting is not None:
-                self._start(self._waiting, ends)
-                self._waiting = None
-
-    def measured(self) -> int:
-        """How many uploads the estimate's rate rests on, as the daemon serves it
-        (``upload_measured``): those done here, at most ``plan.RATE_WINDOW``."""
-        return min(len(self._done), plan.RATE_WINDOW)
-
-    def _left(self, now: float) -> float:
-        """What the running upload still has to send at ``now`` (0: none runs)."""
-        if self._running is None:
-            return 0.0
-        index, started, _ = self._running
-        checkpoint = self.checkpoints[index]
-        sent = self._link.sent(started, now, checkpoint.upload_rate)
-        return max(0.0, checkpoint.upload_seconds - sent)
-
-    def rate(self, now: float) -> Optional[float]:
-        """The rate the daemon assumes at ``now``: the plan's over the recent uploads (the
-        prior's before any), slower when the one in progress shows it."""
-        rate = plan.throughput((self._done or self._prior)[-plan.RATE_WINDOW:], None)
-        rate = plan.with_probe(rate, plan.probed_rate(self._probes_since))
-        if self._running is None or rate is None:
-            return UPLOAD_RATE if rate is None else rate
-        index, started, _ = self._running
-        left = self._left(now)
-        return plan.in_progress_rate(rate, sent=self.checkpoints[index].upload_seconds - left,
-                                     elapsed_seconds=now - started, left=left)
-
-    def estimate(self, now: float) -> Optional[float]:
-        """What the daemon serves at ``now`` as the next upload's duration."""
-        self.advance(now)
-        if not self._done:
-            if plan.probed_rate(self._probes_since) is None:
-                return self._first_estimate  # nothing measured here: the saved estimate
-            # A probe, no upload yet: the saved estimate, longer when the link is slower.
-            probed = plan.next_upload_seconds(self._sizes[::-1], self.rate(now))
-            return max(self._first_estimate or 0.0, probed or 0.0) or None
-        sizes = [amount for amount, _ in self._done[::-1]]
-        return plan.next_upload_seconds(sizes, self.rate(now))
-
-    def add(self, checkpoint: Checkpoint) -> None:
-        """A checkpoint saved at ``checkpoint.saved_seconds``: upload it, or queue it."""
-        now = checkpoint.saved_seconds
-        self.advance(now)
-        index = len(self.checkpoints)
-        self.checkpoints.append(checkpoint)
-        self.durable.append(math.inf)
-        if checkpoint.upload_seconds <= 0:
-            self.durable[index] = now
-            return
-        if self._running is None:
-            self._start(index, now)
-            self._probe_at = None
-            return
-        deadline = self._known_deadline(now)
-        remaining = None if deadline is None else deadline - now
-        next_upload = plan.next_upload_seconds(self._sizes[::-1], self.rate(now))
-        if plan.gives_way(
-            remaining, near_release_seconds=DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-            next_upload=next_upload, current_left=self._left(now),
-            newer=plan.largest_recent(self._sizes[::-1]) or 0.0, rate=self.rate(now),
-        ):
-            self._start(index, now)  # give the old one up
-            self._waiting = None
-        else:
-            self._waiting = index
-
-
-def durable_times(
-    checkpoints: Sequence[Checkpoint],
-    known_deadline: Callable[[float], Optional[float]],
-    first_estimate: Optional[float],
-    *,
-    link: Link = FULL_SPEED,
-    prior: Sequence[tuple[float, float]] = (),
-) -> list[float]:
-    """When each checkpoint became durable (``inf``: never, its upload was given up or
-    skipped), by :class:`Uploads`."""
-    uploads = Uploads(known_deadline, first_estimate, link=link, prior=prior)
-    for checkpoint in checkpoints:
-        uploads.add(checkpoint)
-    uploads.advance(math.inf)
-    return uploads.durable
 
 
 def simulate_run(
@@ -351,16 +167,12 @@ def simulate_run(
     known_at = [_known_from(change, notice_delay_seconds) for change in changes]
     reclaim_seconds, enforced = _reclaim(changes)
     learned_seconds = known_at[enforced]
-    worst = workload.step_max_seconds + workload.save_max_seconds + workload.upload_max_seconds
+    worst = workload.step_max_seconds + workload.durable_max_seconds
     feasible = reclaim_seconds - learned_seconds >= worst
     window_opens = max(learned_seconds, reclaim_seconds - (worst + WINDOW_MARGIN_SECONDS))
     uploads = workload.upload_seconds > 0
-    # The estimate the checkpoint carried from the machine before: its daemon's, over the
-    # uploads it measured there.
-    prior = trace.history(plan.RATE_WINDOW) if uploads else []
-    first_estimate = (plan.next_upload_seconds([workload.upload_seconds],
-                                               plan.throughput(prior, None))
-                      if uploads else None)
+    prior = streamed(trace.history(plan.RATE_WINDOW)) if uploads else []
+    first_estimate = saved_estimate(prior, workload.save_seconds) if uploads else None
 
     def known_deadline(now_seconds: float) -> Optional[float]:
         deadline = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from sidecar.models import Expiry
-from sidecar.tools.simulate.workloads import Trace
+from sidecar.tools.simulate.workloads import COMMIT_TAIL_SECONDS, Trace
 from sidecar.train.guard import STATE_VERSION, CheckpointGuard
 from sidecar.train.policy import (
     DEFAULT_REDUNDANT_SECONDS,
@@ -311,13 +311,15 @@ class OraclePolicy:
         self._saved = False
 
     def _durable_after(self, index: int, now_seconds: float) -> float:
-        """Seconds from ``now_seconds`` until save ``index`` started then is durable (its
-        upload on the run's link, which may slow)."""
+        """Seconds from ``now_seconds`` until save ``index`` started then is durable: its
+        upload streamed from the save's start on the run's link (which may slow), the
+        thread free (the run's first checkpoint is durable), then the commit."""
         saved = now_seconds + self.trace.save_seconds(index)
         amount, rate = self.trace.upload(index)
         if amount <= 0:
             return saved - now_seconds
-        return self.trace.link.ends(saved, amount, rate) - now_seconds
+        sent = self.trace.link.ends(now_seconds, amount, rate)
+        return max(saved, sent) + COMMIT_TAIL_SECONDS - now_seconds
 
     def record_step(self, seconds: float) -> None:
         self._steps += 1
@@ -342,11 +344,12 @@ class WorstCasePolicy:
     """A floor for one-save policies that never miss: knows the workload's limits, not its
     draws, and learns the deadline as the job does.
 
-    The limits are :class:`Workload`'s ``step_max_seconds``, ``save_max_seconds`` and
-    ``upload_max_seconds`` (where the link may halve, every upload at half speed;
-    lognormal uploads at their 99.9th percentile). It makes one save at the last step from
-    which the longest step, save and upload still end by the known deadline, then the job
-    exits. Where the draws are independent and bounded, a one-save policy that can miss
+    The limits are :class:`Workload`'s ``step_max_seconds`` and ``durable_max_seconds``
+    (the upload streamed while the save writes: the longer of the longest save and the
+    longest upload, where the link may halve every upload at half speed and lognormal
+    uploads at their 99.9th percentile, then the commit). It makes one save at the last
+    step from which the longest step and then that still end by the known deadline, then
+    the job exits. Where the draws are independent and bounded, a one-save policy that can miss
     on no draw and knows no more than the limits cannot save later, so cannot lose less.
     The sidecar knows neither the limits nor the coming draws; it estimates them from
     what it measured."""
@@ -356,7 +359,7 @@ class WorstCasePolicy:
     def __init__(self, run: RunInfo) -> None:
         workload = run.trace.workload
         self._step = workload.step_max_seconds
-        self._durable = workload.save_max_seconds + workload.upload_max_seconds
+        self._durable = workload.durable_max_seconds
         self._saved = False
 
     def record_step(self, seconds: float) -> None:

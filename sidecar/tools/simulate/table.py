@@ -34,7 +34,7 @@ __all__ = [
     "write_results",
 ]
 
-INFEASIBLE = "lead time < step + save + upload"
+INFEASIBLE = "lead time < step + save and its upload"
 
 
 def minutes(seconds: float) -> str:

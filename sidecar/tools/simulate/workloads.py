@@ -14,10 +14,15 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["HEAVY_WORKLOADS", "WORKLOADS", "DeadlineChange", "Link", "Trace", "Workload",
-           "get_workload"]
+__all__ = ["COMMIT_TAIL_SECONDS", "HEAVY_WORKLOADS", "WORKLOADS", "DeadlineChange", "Link",
+           "Trace", "Workload", "get_workload"]
 
 MINUTE = 60.0
+# The daemon streams a save's files while it writes them; what is left once the save ends
+# is the commit: the last file closed, the manifest, fsyncs and renames. Seconds on the
+# link as the benchmarks measured it (docs/benchmarks.md, "Streaming upload": 0.01-0.16 s
+# after the save for a file left unchanged), rounded up for a last file that is a shard.
+COMMIT_TAIL_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -142,11 +147,13 @@ class Workload:
     Steps take ``step_seconds`` +- ``step_jitter`` (uniform, relative); every
     ``spike_every``-th step takes ``spike_factor`` times as long (validation); each step is
     a straggler with ``straggler_probability``, taking 3-5x. Saves take ``save_seconds`` +-
-    ``save_jitter``. A checkpoint becomes durable ``upload_seconds`` +- ``upload_jitter``
-    after its save (the daemon's uploader; 0: no uploader, the local save is durable).
-    ``step_max_seconds``, ``save_max_seconds`` and ``upload_max_seconds`` are the largest
-    values these can draw: they define whether a run is feasible at all and the final
-    window (see engine).
+    ``save_jitter`` (``save_spike_factor`` times that with ``save_spike_probability``). A
+    checkpoint's upload takes ``upload_seconds`` +- ``upload_jitter`` of sending (the
+    daemon's uploader, which streams it while the save writes it: the engine; 0: no
+    uploader, the local save is durable). ``step_max_seconds``, ``save_max_seconds`` and
+    ``upload_max_seconds`` are the largest values these can draw, and
+    ``durable_max_seconds`` the longest from a save's start to durable: they define
+    whether a run is feasible at all and the final window (see engine).
     """
 
     name: str
@@ -160,6 +167,10 @@ class Workload:
     straggler_factor: tuple[float, float] = (3.0, 5.0)
     save_seconds: float = 60.0
     save_jitter: float = 0.10
+    # A save takes ``save_spike_factor`` times as long with this probability (a busy disk,
+    # a save that also writes the optimizer's full state).
+    save_spike_probability: float = 0.0
+    save_spike_factor: float = 3.0
     # How long until the job learns of a deadline change; None: the run's setting (the
     # daemon's poll interval). The spot workloads: the aws source polls every 2 s.
     notice_delay_seconds: Optional[float] = None
@@ -192,7 +203,10 @@ class Workload:
         return seconds
 
     def draw_save(self, rng: random.Random) -> float:
-        return self.save_seconds * rng.uniform(1 - self.save_jitter, 1 + self.save_jitter)
+        seconds = self.save_seconds * rng.uniform(1 - self.save_jitter, 1 + self.save_jitter)
+        if self.save_spike_probability and rng.random() < self.save_spike_probability:
+            seconds *= self.save_spike_factor
+        return seconds
 
     def draw_upload(self, rng: random.Random) -> float:
         if self.upload_sigma:
@@ -210,7 +224,8 @@ class Workload:
 
     @property
     def save_max_seconds(self) -> float:
-        return self.save_seconds * (1 + self.save_jitter)
+        factor = self.save_spike_factor if self.save_spike_probability else 1.0
+        return self.save_seconds * (1 + self.save_jitter) * factor
 
     @property
     def upload_max_seconds(self) -> float:
@@ -218,6 +233,16 @@ class Workload:
         if self.upload_sigma:  # unbounded: its 99.9th percentile, z = 3.09
             return self.upload_seconds * math.exp(3.09 * self.upload_sigma) * factor
         return self.upload_seconds * (1 + self.upload_jitter) * factor
+
+    @property
+    def durable_max_seconds(self) -> float:
+        """The longest from a save's start to durable, the upload thread free: the
+        daemon streams the files while the save writes them, so the longer of the save
+        and the upload, then the commit (``COMMIT_TAIL_SECONDS``); the save alone without
+        an uploader."""
+        if self.upload_seconds <= 0:
+            return self.save_max_seconds
+        return max(self.save_max_seconds, self.upload_max_seconds) + COMMIT_TAIL_SECONDS
 
     def trace(self, seed: int) -> Trace:
         return Trace(self, seed)
@@ -356,6 +381,14 @@ HEAVY_WORKLOADS: dict[str, Workload] = {
                  "upload; 5 saves measured before the run", spot_notice(120.0),
                  notice_delay_seconds=2.0, save_seconds=180.0, measured_saves=5,
                  notice=("aws", 120.0)),
+        # Issue 37: the independent simulation's heavy cases the set above lacked.
+        Workload("heavy-save-spikes", "as steady, but 1 save in 8 takes 3x (60 s +-10%, "
+                 "else 180 s) and uploads take 200 s +-10%; 5 saves measured before the run",
+                 fixed_release, upload_seconds=200.0, save_spike_probability=1 / 8,
+                 measured_saves=5),
+        Workload("heavy-upload-brought-forward", "heavy-upload, the release moved 30 min "
+                 "earlier, announced 2-40 min before it", brought_forward,
+                 save_seconds=45.0, upload_seconds=300.0, measured_saves=5),
         # The slowing link of issue 23, item 7, "midway": long before the final save, so
         # that the probe (and a fallback save's upload) see it first; link-halves, in
         # WORKLOADS, has it 2-20 min before the release, after the final save began in

@@ -157,3 +157,15 @@ def test_probes_count_only_when_two_agree_and_beyond_the_margin() -> None:
     assert plan.probe_interval(5000.0, 600.0, 10.0) == plan.PROBE_FAR_SECONDS
     assert plan.probe_interval(None, 600.0, None) == plan.PROBE_FAR_SECONDS
     assert plan.probe_interval(1000.0, 600.0, 600.0) == plan.PROBE_NEAR_SECONDS  # 2 x upload
+
+
+def test_the_estimate_served_is_never_below_the_measured_commits() -> None:
+    # All of it streamed (nothing left after the save): the commit's measured time x 1.2.
+    assert plan.estimate_seconds([0.0, 0.0], 10.0, [2.0, None]) == pytest.approx(2.4)
+    # Bytes left after the save: those at the rate x 1.2, when that is longer.
+    assert plan.estimate_seconds([100.0, 0.0], 10.0, [None, 2.0]) == pytest.approx(12.0)
+    # Only the newest SIZE_WINDOW commits count; none seen or no rate: None.
+    old = [None] * plan.SIZE_WINDOW + [50.0]
+    assert plan.estimate_seconds([0.0] * 4, 10.0, old) == 0.0
+    assert plan.estimate_seconds([], 10.0, []) is None
+    assert plan.estimate_seconds([10.0], None, [5.0]) is None
