@@ -56,7 +56,7 @@ demo: $(SERVER)
 # The tiers (docs/contributing.md): the fast one answers in about a minute while you work;
 # `make test` runs every test, the fast ones first, on the parallel runner. The tests of one
 # xdist_group (a Slurm cluster, the image build, Ray) run on one worker (tests/conftest.py).
-FAST    := -m "not e2e and not slow and not frameworks"
+FAST    := -m "not e2e and not slow and not frameworks and not integration"
 WORKERS ?= 4
 PYTEST  := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -p xdist --dist loadgroup
 
@@ -65,7 +65,7 @@ test-fast: $(ALL)
 
 test: $(ALL) $(VERL)
 	$(PYTEST) -n $(WORKERS) $(FAST)
-	$(PYTEST) -n $(WORKERS) -m "e2e or slow or frameworks"
+	$(PYTEST) -n $(WORKERS) -m "e2e or slow or frameworks or integration"
 
 lint: $(ALL) $(VERL)
 	$(BIN)/ruff check sidecar tests benchmarks examples tools

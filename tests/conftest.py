@@ -52,7 +52,7 @@ ALLOWED_SKIPS = ("cannot boot systemd in namespaces here", PRIVATE_TMP_SKIP)
 
 
 # The tiers (STYLE.md, "Tests in tiers"): markers by folder and module, so the fast tier is
-# `-m "not e2e and not slow and not frameworks"` (`make test-fast`).
+# `-m "not e2e and not slow and not frameworks and not integration"` (`make test-fast`).
 TESTS = Path(__file__).parent
 # A minute or more each, or a cluster, an image build or a release of a framework.
 SLOW_MODULES = frozenset({
@@ -67,6 +67,18 @@ SLOW_MODULES = frozenset({
     "tools/test_simulate_heavy.py",
     "tools/test_demo.py",                            # the whole demo, twice a trainer
     "host/test_api_fuzz.py",                         # schemathesis over every operation
+})
+# The middle tier: real servers and processes, seconds each. A real S3-protocol server or
+# a volume the uploader commits to, a cloud's emulator or metadata service the daemon
+# polls over HTTP, the daemon or the CLI as a process of its own, a venv per Python. Not in
+# `make test-fast`, run by `make test` (docs/contributing.md).
+INTEGRATION_FOLDERS = ("host/upload/", "host/sources/")
+INTEGRATION_MODULES = frozenset({
+    "host/test_daemon_volcengine.py",                # the SDK against the emulator
+    "host/test_serve_process.py",                    # `esi-sidecar serve` as a process
+    "host/test_hostile_connections.py",              # the daemon's connection cap, filled
+    "test_cli.py",                                   # the CLI as a process, against a daemon
+    "train/test_client_stdlib_only.py",              # a bare venv per Python
 })
 # Under the parallel runner (`-n`, `--dist loadgroup`) the tests of one group run on one
 # worker, one after another: a group shares something that two workers must not use at once.
@@ -92,6 +104,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if relative in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        elif relative in INTEGRATION_MODULES or relative.startswith(INTEGRATION_FOLDERS):
+            item.add_marker(pytest.mark.integration)
         if relative in SERIAL_GROUPS:
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS[relative]))
         elif "booted_systemd" in getattr(item, "fixturenames", ()):
