@@ -101,6 +101,12 @@ def manifest_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
+def backoff_seconds(failures: int, base: float, cap: float) -> float:
+    """The wait before the next try after ``failures`` in a row: doubling from ``base`` up
+    to ``cap``, then jittered to half of that or more (many hosts must not retry in step)."""
+    return min(cap, base * 2 ** min(failures - 1, 30)) * random.uniform(0.5, 1.0)
+
+
 class _Stale(Exception):
     """The local folder changed under the upload (re-saved, deleted): start over."""
 
@@ -165,7 +171,7 @@ class Uploader:
         if self._thread is not None:
             raise RuntimeError("the uploader is already started")
         self._started_at = self._clock()
-        self._clear_stale_markers()
+        clear_stale_markers(self.config.root)
         self._thread = threading.Thread(target=self._run, name="esi-sidecar-upload", daemon=True)
         self._thread.start()
         log.info("uploading complete checkpoints from %s to %s (%s)", self.config.root,
@@ -450,9 +456,8 @@ class Uploader:
         # backoff at every attempt (issue 22, weak points).
         self._failures_in_a_row += 1
         failures = self._failures_in_a_row
-        delay = min(self.config.backoff_cap_seconds,
-                    self.config.backoff_base_seconds * 2 ** min(failures - 1, 30))
-        delay *= random.uniform(0.5, 1.0)  # jitter: many hosts must not retry in step
+        delay = backoff_seconds(failures, self.config.backoff_base_seconds,
+                                self.config.backoff_cap_seconds)
         retry_at = now + delay
         if name is not None:
             self.tracker.update(name, retry_at_unix=retry_at)
@@ -486,13 +491,6 @@ class Uploader:
         if problem is not None:
             log.warning("%s", problem)
 
-    def _clear_stale_markers(self) -> None:
-        """Markers an earlier (killed) run left: they would pin folders for ever."""
-        for listing in list_checkpoints(self.config.root):
-            if clear_stale_pin(listing.path, _MARKER_TEXT):
-                log.info("removed the stale %s left in %s by an earlier run", MARKER_NAME,
-                         printable(str(listing.path)))
-
     def _keep_local(self) -> None:
         keep = self.config.keep_local
         if keep is None:
@@ -507,3 +505,12 @@ class Uploader:
         for path in removed:
             log.info("removed local %s: durable in storage, beyond the %d newest", path.name,
                      keep)
+
+
+def clear_stale_markers(root: Path) -> None:
+    """The pins an earlier (killed) run left in ``root``'s checkpoints: they would pin
+    folders for ever."""
+    for listing in list_checkpoints(root):
+        if clear_stale_pin(listing.path, _MARKER_TEXT):
+            log.info("removed the stale %s left in %s by an earlier run", MARKER_NAME,
+                     printable(str(listing.path)))
