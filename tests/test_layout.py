@@ -358,7 +358,7 @@ UPLOAD_PLAN = "sidecar.host.upload.plan"
 def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
     """One estimate and one give-way rule (issue 21, item 4): the plan imports only the
     standard library (and the shared modules), and the simulator takes them from it,
-    reaching into the host side for nothing else (the settings for the daemon's defaults)."""
+    reaching into the host side for nothing else (the daemon's defaults live in the plan)."""
     impure = [
         _where(i)
         for i in IMPORTS
@@ -368,7 +368,7 @@ def test_the_simulator_runs_the_uploaders_own_pure_plan() -> None:
     simulator = [i for i in IMPORTS if _in(i.module, "sidecar.tools.simulate")]
     elsewhere = [_where(i) for i in simulator
                  if _in(i.target, "sidecar.host")
-                 and i.target not in (UPLOAD_PLAN, "sidecar.host.settings")]
+                 and i.target != UPLOAD_PLAN]
     assert impure == [] and elsewhere == []
     assert "sidecar.tools.simulate.engine" in {i.module for i in simulator
                                                if i.target == UPLOAD_PLAN}
@@ -382,7 +382,8 @@ UPLOAD_PUBLIC = {f"sidecar.host.upload.{name}" for name in (
     "plan", "location", "storage_config", "uploader", "follower", "follow_sources", "fetch",
     "volume", "volume_section",
 )}
-SETTINGS_FROM_UPLOAD = {"sidecar.host.upload.location"}  # standard library only
+# Standard library only: a URL's check, and the upload settings' defaults (with the plan).
+SETTINGS_FROM_UPLOAD = {"sidecar.host.upload.location", "sidecar.host.upload.plan"}
 # The settings' table and its value parsers (``--upload-to``'s among them).
 SETTINGS_MODULES = {"sidecar.host.settings", "sidecar.host.setting_parsers"}
 

@@ -75,7 +75,7 @@ _RESTORE_HELP = {
 
 
 def _say_what_restore_does(restore: argparse.ArgumentParser) -> None:
-    from sidecar.host.settings import DEFAULT_UPLOAD_CONCURRENCY  # standard library only
+    from sidecar.host.upload.plan import DEFAULT_UPLOAD_CONCURRENCY  # standard library only
 
     for action in restore._actions:
         if action.dest in _RESTORE_HELP:

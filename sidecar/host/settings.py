@@ -38,6 +38,12 @@ from sidecar.host.sources import registry
 from sidecar.host.sources.spec import ENV_PREFIX, Option, parse_boolean
 from sidecar.host.sources.spec import parse_text as _text
 from sidecar.host.sources.spec import parse_url as _url
+from sidecar.host.upload.plan import (  # the upload defaults: pure, loads nothing else
+    DEFAULT_UPLOAD_CONCURRENCY,
+    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+    DEFAULT_UPLOAD_PART_SIZE,
+    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
+)
 from sidecar.models import (
     DEFAULT_AWS_IMDS_URL,
     DEFAULT_AZURE_METADATA_URL,
@@ -58,10 +64,6 @@ __all__ = [
     "storage_options",
 ]
 
-DEFAULT_UPLOAD_CONCURRENCY = 8
-DEFAULT_UPLOAD_PART_SIZE = 64 << 20
-DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS = 600.0
-DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0
 # The least --poll-interval against the cloud's API (issue 13): at the default 30 s a
 # source makes 120 calls per host-hour, at 5 s 720, and a 1,000-host fleet running both
 # Volcengine sources about 400 calls a second on one account. A shorter interval buys

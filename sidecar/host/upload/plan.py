@@ -4,8 +4,10 @@ Pure (issue 21, item 4): plain numbers in, plain numbers out; no I/O, no clock, 
 standard library only. The daemon's uploader (``status``, ``uploader``) and the simulator
 (``sidecar.tools.simulate.uploads``) both decide with these functions, so the figures the
 simulator prints are the rule the daemon runs. How near is near is a setting
-(``--upload-near-release``, its default in ``sidecar.host.settings``), passed in: the
-settings module must not load this package when upload is off.
+(``--upload-near-release``), passed in; the upload settings' defaults live here, below the
+settings table that names them (``sidecar.host.settings``), so no arrow runs from the
+upload package back up to the settings. Loading this module loads nothing else: the
+daemon without upload reads these defaults and never loads boto3 or the uploader.
 
 Amounts and rates come in any one unit: the daemon counts bytes and bytes per second; the
 simulator counts seconds at rate 1 (an amount is then its own duration).
@@ -35,6 +37,10 @@ from collections.abc import Iterable, Sequence
 from typing import Optional
 
 __all__ = [
+    "DEFAULT_UPLOAD_CONCURRENCY",
+    "DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS",
+    "DEFAULT_UPLOAD_PART_SIZE",
+    "DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS",
     "ESTIMATE_MARGIN",
     "PROBES_TO_AGREE",
     "PROBE_FAR_SECONDS",
@@ -56,6 +62,12 @@ __all__ = [
     "upload_seconds",
     "with_probe",
 ]
+
+# The upload settings' defaults (their rows: sidecar.host.settings; docs/deploy.md).
+DEFAULT_UPLOAD_CONCURRENCY = 8  # parts of one file in flight (S3)
+DEFAULT_UPLOAD_PART_SIZE = 64 << 20  # bytes per multipart part (S3)
+DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS = 600.0  # near: the newest checkpoint goes first
+DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS = 5.0  # the checkpoint folder listed at least this often
 
 # The estimate: the largest of the newest SIZE_WINDOW checkpoints over the slow tail of the
 # last RATE_WINDOW uploads' rates (the SLOW_QUANTILE of their seconds per unit sent), times

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sidecar.host.settings import DEFAULT_UPLOAD_CONCURRENCY, DEFAULT_UPLOAD_PART_SIZE
+from sidecar.host.upload.plan import DEFAULT_UPLOAD_CONCURRENCY, DEFAULT_UPLOAD_PART_SIZE
 
 __all__ = ["StorageConfig"]
 

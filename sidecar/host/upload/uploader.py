@@ -48,16 +48,16 @@ from typing import Any, Callable, Optional
 from sidecar.checkpoint.folders import CheckpointInfo, list_checkpoints, prune
 from sidecar.checkpoint.manifest import MANIFEST_NAME, UPLOADING_MARKER, Invalid
 from sidecar.host.logs import printable
-from sidecar.host.settings import (
-    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
-    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
-)
 from sidecar.host.upload import plan
 from sidecar.host.upload.commit_check import DurableFile
 from sidecar.host.upload.destination import Destination
 from sidecar.host.upload.idle import IdleWork
 from sidecar.host.upload.jobfiles import Pin, Refused, clear_stale_pin, pin, read_job_file, unpin
 from sidecar.host.upload.location import S3Location
+from sidecar.host.upload.plan import (
+    DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS,
+    DEFAULT_UPLOAD_SCAN_INTERVAL_SECONDS,
+)
 from sidecar.host.upload.probe import LinkProbe
 from sidecar.host.upload.status import UploadRecord, UploadTracker
 from sidecar.host.upload.storage_config import StorageConfig

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sidecar.host.settings import DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.host.upload import plan
+from sidecar.host.upload.plan import DEFAULT_UPLOAD_NEAR_RELEASE_SECONDS
 from sidecar.tools.simulate.workloads import COMMIT_TAIL_SECONDS, Link
 
 __all__ = ["FULL_SPEED", "UPLOAD_RATE", "Checkpoint", "Uploads", "durable_times",
