@@ -96,7 +96,12 @@ MUTANTS := \
   'sidecar.host.features.reclaims.ledger.xǁReclaimLedgerǁrecord*' \
   'sidecar.host.features.reclaims.ledger.x__key*' \
   'sidecar.host.approve.xǁApproverǁ_check*' \
-  'sidecar.train.policy.xǁSavePolicyǁdecide*'
+  'sidecar.train.rule.x_decide*' \
+  'sidecar.train.rule.x_fallback_due*' \
+  'sidecar.train.rule.x__tries_late*' \
+  'sidecar.train.rule.x__durable_seconds*' \
+  'sidecar.train.rule.x__budget_seconds*' \
+  'sidecar.train.rule.x__covered*'
 
 .PHONY: mutation
 mutation: $(ALL)
