@@ -53,7 +53,8 @@ def two_rounds(daemon: RunningDaemon) -> None:
 
 
 def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "sidecar.host.approve")
     local, volume = tmp_path / "local", tmp_path / "volume"
     local.mkdir()
     volume.mkdir()
@@ -70,6 +71,9 @@ def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
         save(local, 2)
         wait_for(lambda: azure.approved == [event], timeout=30)
         assert client.last_durable_step() == 2
+        two_rounds(daemon)  # the approver goes on after an approval
+        assert [r.getMessage() for r in caplog.records if "approved" in r.getMessage()] == [
+            f"azure: approved {event}: a checkpoint saved after the notice is durable"]
         # Approved: Azure starts the event; its deadline is now (first seen started).
         wait_for(lambda: (get_json(daemon.url + "/v1/expiry")[1]["remaining_seconds"] or 99)
                  < 5, timeout=10)
@@ -124,13 +128,14 @@ def test_without_an_uploader_nothing_is_approved_and_it_is_said_once(
     with AzureImdsEmulator() as azure, caplog.at_level(logging.WARNING, "sidecar.host.approve"), \
             serve_daemon(sources=("azure",), azure_metadata_url=azure.url,
                          azure_approve=True) as daemon:
-        azure.schedule("Preempt", 60)
+        event = azure.schedule("Preempt", 60)
         wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
         wait_for(lambda: any("needs the uploader" in r.getMessage() for r in caplog.records))
         two_rounds(daemon)  # and said no more
     assert azure.approved == []
-    said = [r for r in caplog.records if "needs the uploader" in r.getMessage()]
-    assert len(said) == 1
+    said = [r.getMessage() for r in caplog.records if "needs the uploader" in r.getMessage()]
+    assert said == [f"azure: not approving {event}: approval needs the uploader (--upload-to), "
+                    "a local checkpoint dies with the VM"]
 
 
 def test_approval_is_off_unless_asked(tmp_path: Path) -> None:

@@ -65,6 +65,14 @@ def test_an_upload_in_progress_slower_than_assumed_slows_the_rate() -> None:
     assert in_progress_rate(None, sent=10.0, elapsed_seconds=5.0, left=10.0) is None
     assert in_progress_rate(10.0, sent=0.0, elapsed_seconds=0.0, left=10.0) == 10.0
     assert in_progress_rate(10.0, sent=0.0, elapsed_seconds=3.0, left=0.0) == 10.0
+    # The simulator's units (an amount is its duration at rate 1): the same bound at rate 1,
+    # and for an upload of one unit in all.
+    assert in_progress_rate(1.0, sent=10.0, elapsed_seconds=20.0, left=10.0) == 20 / 30
+    assert in_progress_rate(1.0, sent=0.5, elapsed_seconds=1.0, left=0.5) == 1 / 1.5
+    # Under a second in: already a bound (a slow first request shows at once).
+    assert in_progress_rate(10.0, sent=1.0, elapsed_seconds=0.5, left=100.0) == 101 / 10.5
+    # No time yet and nothing left: the rate as it was (never a division by zero).
+    assert in_progress_rate(10.0, sent=5.0, elapsed_seconds=0.0, left=0.0) == 10.0
     # Into the estimate: 300 MiB at the slowed 8 MiB/s, with the margin: 45 s, not 36 s.
     slowed = in_progress_rate(10 * MIB, sent=25 * MIB, elapsed_seconds=5.0, left=75 * MIB)
     assert next_upload_seconds([300 * MIB], slowed) == pytest.approx(45.0)
