@@ -174,6 +174,11 @@ def test_durable_at_the_drill_deadline_itself_passes_and_each_failure_says_why()
     assert verdict_of(report("too-late"), "remaining 4.0 s") == (
         "fail", "the lead could not hold a save and its upload: no save started "
         "(remaining 4.0 s)")
+    # Durable, but the report gives no figure to place it: a FAIL that says so plainly.
+    assert verdict_of(report("durable"), None) == (
+        "fail", "durable, but the report says not when: no lead to hold it against")
+    assert verdict_of(report("durable", lead_seconds=-2.5), None) == (
+        "fail", "durable 2.5 s after the drill deadline")
 
 
 def test_every_reported_drill_is_counted_not_only_the_first_of_its_result() -> None:

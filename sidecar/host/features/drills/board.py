@@ -134,8 +134,9 @@ def verdict_of(report: DrillReport, reason: Optional[str]) -> tuple[str, str]:
     if report.outcome == "durable" and lead is not None and lead >= 0:
         return "pass", f"durable {lead:.1f} s before the drill deadline"
     if report.outcome == "durable":
-        late = "" if lead is None else f" {-lead:.1f} s"
-        return "fail", f"durable{late} after the drill deadline"
+        if lead is None:
+            return "fail", "durable, but the report says not when: no lead to hold it against"
+        return "fail", f"durable {-lead:.1f} s after the drill deadline"
     why = {"not-durable": "the checkpoint was not durable by the drill deadline",
            "too-late": "the lead could not hold a save and its upload: no save started",
            "no-save": "no save was made for the drill deadline"}[report.outcome]
