@@ -247,7 +247,7 @@ def _build_uploader(settings: Settings, store: Store, state: StateFile) -> Uploa
 
 def _build_follower(settings: Settings,
                     reclaims: Optional[RestoreNotes]) -> Optional[Background]:
-    """The follower (issue 40, item 2), unless --prefetch false."""
+    """The follower (issue 40, item 2), unless --upload-prefetch false."""
     if not settings.upload_prefetch or settings.upload_from is None:
         return None
     from sidecar.host.upload.follow_sources import S3Source, VolumeSource

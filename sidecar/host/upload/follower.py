@@ -3,7 +3,7 @@ the newest durable checkpoint into the local checkpoint folder before any job st
 follows newer ones until a job writes there.
 
 On a machine whose settings name ``--upload-from DIR`` and ``--upload-to URL`` (and
-``--prefetch`` not false), the daemon starts a :class:`Follower`. Every
+``--upload-prefetch`` not false), the daemon starts a :class:`Follower`. Every
 ``interval_seconds`` it asks the destination for its newest durable checkpoint; when that
 is newer than every valid checkpoint in the folder, it copies it in: only the files that
 changed since its previous copy are fetched, the unchanged ones hard-linked from it. A
@@ -157,7 +157,7 @@ class Follower:
         self._baseline = {entry.name: entry.inode() for entry in os.scandir(handle)}
         self._watching = True
         log.info("bringing the newest durable checkpoint from %s into %s before the job "
-                 "starts (off: --prefetch false)", self.source.url, self.root)
+                 "starts (off: --upload-prefetch false)", self.source.url, self.root)
         return True
 
     def _stopped(self, why: str) -> None:
