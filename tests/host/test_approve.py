@@ -79,6 +79,28 @@ def test_an_event_is_approved_once_a_checkpoint_saved_after_it_is_durable(
                  < 5, timeout=10)
 
 
+def test_an_approval_the_service_refuses_is_said_and_tried_again_next_round(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "sidecar.host.approve")
+    local, volume = tmp_path / "local", tmp_path / "volume"
+    local.mkdir()
+    volume.mkdir()
+    with AzureImdsEmulator() as azure, serve_daemon(
+            sources=("azure",), azure_metadata_url=azure.url, azure_approve=True,
+            upload_from=local, upload_to=volume.as_uri(), upload_scan_interval=0.2) as daemon:
+        azure.refuse_approvals(1)
+        event = azure.schedule("Preempt", 60)
+        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
+        save(local, 1)  # after the event: its first approval is refused, the next one holds
+        wait_for(lambda: azure.approved == [event], timeout=30)
+    said = [r.getMessage() for r in caplog.records if "approv" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"azure: approving {event} failed: "), said
+    assert "approval: HTTP 500 from http://127.0.0.1:" in said[0], said
+    assert said[0].endswith(": Internal server error"), said
+    assert said[1] == f"azure: approved {event}: a checkpoint saved after the notice is durable"
+
+
 def test_a_checkpoint_dated_ahead_but_saved_before_the_event_is_not_enough(
         tmp_path: Path) -> None:
     """Issue 22, item 5: approval reads what the daemon saw, not the manifest's time."""

@@ -21,7 +21,7 @@ its ``NotBefore`` passes, and leaves the document when it is over (:meth:`comple
 is cancelled (:meth:`clear`). An approval is recorded in :attr:`approved`.
 
 Control from Python (:meth:`schedule`, :meth:`start_event`, :meth:`complete`, :meth:`clear`,
-:meth:`fail`) or over HTTP (``sidecar.tools.emulator.metadata``): ``POST
+:meth:`fail`, :meth:`refuse_approvals`) or over HTTP (``sidecar.tools.emulator.metadata``): ``POST
 /_emulator/event {"type": "Preempt", "in_seconds": 30}`` (also ``resources``, ``status``,
 ``not_before``), ``/_emulator/start {"id": ...}``, ``/_emulator/complete {"id": ...}``,
 ``/_emulator/clear``.
@@ -123,8 +123,15 @@ class AzureImdsEmulator(MetadataEmulator):
         self._incarnation = 1
         self._events: dict[str, _Event] = {}
         self.approved: list[str] = []  # event ids approved through StartRequests
+        self._refusals = 0  # approvals still to answer with a 500 (refuse_approvals)
 
     # ------------------------------------------------------------------ control
+
+    def refuse_approvals(self, count: int = 1) -> None:
+        """Answer the next ``count`` approvals (``POST`` StartRequests) with a 500, as the
+        service does when it fails; the polls of the document are not touched."""
+        with self._lock:
+            self._refusals += count
 
     def schedule(self, event_type: str, in_seconds: float,
                  resources: Optional[list[str]] = None, *, status: str = "Scheduled",
@@ -249,6 +256,10 @@ class AzureImdsEmulator(MetadataEmulator):
         return _error(405, "Method not allowed")
 
     def _approve(self, body: bytes) -> Reply:
+        with self._lock:
+            if self._refusals:
+                self._refusals -= 1
+                return _error(500, "Internal server error")
         try:
             requests = json.loads(body.decode("utf-8"))["StartRequests"]
             event_ids = [str(request["EventId"]) for request in requests]
