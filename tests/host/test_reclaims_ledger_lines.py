@@ -106,3 +106,19 @@ def test_one_account_per_job_and_release_to_the_millisecond() -> None:
     # Another job, the same instant: its own account.
     assert ledger.record(cost(60.0, released=RELEASED + 0.1, job="other:1"))
     assert ledger.body()["count"] == 3
+
+
+def test_an_implausible_account_is_refused_with_422_and_one_line_naming_the_figure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    ledger = Clocks().ledger()  # two hours up: the bound is 7200 s + a day = 93600 s
+    with pytest.raises(AccountRefused) as refused:
+        ledger.record(cost(93_601.0), posted_by="restore from 10.0.0.3")
+    assert refused.value.status == 422
+    assert str(refused.value) == (
+        "lost_seconds: 93601 s (released_unix - state_unix for lost_seconds) is more than "
+        "this daemon has run plus a day (93600 s)")
+    assert lines(caplog) == [(logging.WARNING, (
+        "refused an account from restore from 10.0.0.3: lost_seconds 93601 s is more than "
+        "this daemon ran plus a day"))]
+    assert ledger.body()["refused"] == {"implausible": 1, "rate": 0}
