@@ -181,6 +181,16 @@ def test_durable_at_the_drill_deadline_itself_passes_and_each_failure_says_why()
         "fail", "durable 2.5 s after the drill deadline")
 
 
+def test_a_report_for_a_drill_this_board_never_started_changes_nothing() -> None:
+    board = DrillBoard()
+    board.start(60.0, real_deadline=None, jobs=[{**JOB[0], "last_event_at_unix": 1000.0}],
+                now=1000.0)
+    before = board.body(None, 1010.0)
+    board.report(DrillReport(id="drill-99", outcome="durable", lead_seconds=8.0), job="j:1",
+                 rank=0, step=7, reason=None, now=1010.0)
+    assert board.body(None, 1010.0) == before
+
+
 def test_every_reported_drill_is_counted_not_only_the_first_of_its_result() -> None:
     board = DrillBoard()
     for n, (drill_id, now) in enumerate((("drill-1", 1000.0), ("drill-2", 1100.0)), start=1):

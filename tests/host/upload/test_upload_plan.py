@@ -71,6 +71,8 @@ def test_an_upload_in_progress_slower_than_assumed_slows_the_rate() -> None:
     assert in_progress_rate(1.0, sent=0.5, elapsed_seconds=1.0, left=0.5) == 1 / 1.5
     # Under a second in: already a bound (a slow first request shows at once).
     assert in_progress_rate(10.0, sent=1.0, elapsed_seconds=0.5, left=100.0) == 101 / 10.5
+    # A clock read out of order (elapsed below 0) is no measurement: the rate as it was.
+    assert in_progress_rate(10.0, sent=5.0, elapsed_seconds=-1.0, left=10.0) == 10.0
     # No time yet and nothing left: the rate as it was (never a division by zero).
     assert in_progress_rate(10.0, sent=5.0, elapsed_seconds=0.0, left=0.0) == 10.0
     # Into the estimate: 300 MiB at the slowed 8 MiB/s, with the margin: 45 s, not 36 s.
