@@ -106,5 +106,5 @@ MUTANTS := \
 .PHONY: mutation
 mutation: $(ALL)
 	rm -rf mutants
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/mutmut run --max-children 2 $(MUTANTS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/mutmut run --max-children 4 $(MUTANTS)
 	$(BIN)/mutmut results | grep -v ': not checked$$' | tee mutants/survivors.txt
