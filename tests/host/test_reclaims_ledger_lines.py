@@ -92,6 +92,9 @@ def test_over_the_burst_an_account_is_refused_with_429_and_said_once_a_minute(
         f"refused an account from {sender}: over {ACCOUNTS_BURST} at once, then one a minute"
         f" (and {ACCOUNTS_BURST} more about accounts since the last line: GET /v1/reclaims)"))]
     assert ledger.body()["refused"] == {"implausible": 0, "rate": 1}
+    with pytest.raises(AccountRefused):  # every refusal counted, not only the first
+        ledger.record(cost(60.0, released=RELEASED + 101), posted_by=sender)
+    assert ledger.body()["refused"] == {"implausible": 0, "rate": 2}
     # Another sender has an allowance of its own.
     assert ledger.record(cost(60.0, released=RELEASED + 200), posted_by="job events")
 

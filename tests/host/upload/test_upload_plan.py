@@ -179,3 +179,13 @@ def test_the_estimate_served_is_never_below_the_measured_commits() -> None:
     assert plan.estimate_seconds([0.0] * 4, 10.0, old) == 0.0
     assert plan.estimate_seconds([], 10.0, []) is None
     assert plan.estimate_seconds([10.0], None, [5.0]) is None
+
+
+def test_edges_the_mutation_check_found() -> None:
+    # An amount under one unit is an amount (the simulator's units: seconds at rate 1).
+    assert plan.throughput([(0.5, 1.0)], None) == 0.5
+    # No next upload known: only the near-release setting counts, however small.
+    assert not plan.near_release(1.5, 1.0, None)
+    assert plan.near_release(0.5, 1.0, None)
+    # A probe sends PROBE_SECONDS of bytes at the rate it expects.
+    assert plan.probe_amount(10.0) == 10.0 * plan.PROBE_SECONDS
