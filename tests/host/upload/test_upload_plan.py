@@ -187,5 +187,10 @@ def test_edges_the_mutation_check_found() -> None:
     # No next upload known: only the near-release setting counts, however small.
     assert not plan.near_release(1.5, 1.0, None)
     assert plan.near_release(0.5, 1.0, None)
+    # A probe that measured nothing (rate 0) is not one of the two that must agree; rates
+    # under one unit per second are rates (the simulator's units).
+    assert plan.probed_rate([0.0, 5.0]) is None
+    assert plan.probed_rate([0.5, 0.8]) == 0.8
+    assert plan.with_probe(10.0, 0.5) == 0.5 * plan.ESTIMATE_MARGIN
     # A probe sends PROBE_SECONDS of bytes at the rate it expects.
     assert plan.probe_amount(10.0) == 10.0 * plan.PROBE_SECONDS
