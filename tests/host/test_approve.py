@@ -87,18 +87,29 @@ def test_an_approval_the_service_refuses_is_said_and_tried_again_next_round(
     volume.mkdir()
     with AzureImdsEmulator() as azure, serve_daemon(
             sources=("azure",), azure_metadata_url=azure.url, azure_approve=True,
-            upload_from=local, upload_to=volume.as_uri(), upload_scan_interval=0.2) as daemon:
+            upload_from=local, upload_to=volume.as_uri(), upload_scan_interval=0.2):
         azure.refuse_approvals(1)
-        event = azure.schedule("Preempt", 60)
-        wait_for(lambda: get_json(daemon.url + "/v1/expiry")[1]["kind"] == "preemption-notice")
-        save(local, 1)  # after the event: its first approval is refused, the next one holds
-        wait_for(lambda: azure.approved == [event], timeout=30)
-    said = [r.getMessage() for r in caplog.records if "approv" in r.getMessage()]
+        # Two events pending at once (a Freeze and a Preempt): approved together.
+        events = [azure.schedule("Freeze", 60), azure.schedule("Preempt", 60)]
+
+        def seen(event: str) -> bool:  # the source logs each event when it first sees it
+            return any(event in r.getMessage() for r in caplog.records
+                       if r.name == "sidecar.host.sources.azure")
+
+        wait_for(lambda: all(seen(event) for event in events))
+        save(local, 1)  # after the events: the first approval is refused, the next one holds
+        wait_for(lambda: sorted(azure.approved) == sorted(events), timeout=30)
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "sidecar.host.approve" and "approv" in r.getMessage()]
     assert len(said) == 2, said
-    assert said[0].startswith(f"azure: approving {event} failed: "), said
+    named = said[0].split(": approving ", 1)[1].split(" failed: ", 1)[0]
+    assert sorted(named.split(", ")) == sorted(events), said
+    assert said[0].startswith("azure: approving "), said
     assert "approval: HTTP 500 from http://127.0.0.1:" in said[0], said
     assert said[0].endswith(": Internal server error"), said
-    assert said[1] == f"azure: approved {event}: a checkpoint saved after the notice is durable"
+    approved = said[1].split("azure: approved ", 1)[1].split(": a checkpoint", 1)[0]
+    assert sorted(approved.split(", ")) == sorted(events), said
+    assert said[1].endswith(": a checkpoint saved after the notice is durable"), said
 
 
 def test_a_checkpoint_dated_ahead_but_saved_before_the_event_is_not_enough(
