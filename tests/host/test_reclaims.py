@@ -52,6 +52,7 @@ def train_until_the_release(url: str, root: Path) -> int:
     raise AssertionError("the release never came")
 
 
+@pytest.mark.integration  # a real release 8 s away, the uploader to a volume, the simulator
 def test_restore_reports_the_gpu_time_the_release_cost_as_the_simulator_counts_it(
         tmp_path: Path) -> None:
     checkpoints, volume, fresh = tmp_path / "ckpt", tmp_path / "volume", tmp_path / "next"
