@@ -44,11 +44,7 @@ os.environ["AWS_CONFIG_FILE"] = os.devnull
 # something went missing and must not pass for green. The one skip allowed names a
 # kernel feature, not an install step.
 FAIL_ON_SKIP = "SIDECAR_TESTS_FAIL_ON_SKIP"
-# The second: the tests that run the service from a venv reusing this test venv's packages
-# (no package index inside the namespace) cannot when that venv lies under /tmp, which the
-# unit's PrivateTmp= hides from the service (a clone checked out under /tmp).
-PRIVATE_TMP_SKIP = "the test venv lies under /tmp, which the unit's PrivateTmp= hides"
-ALLOWED_SKIPS = ("cannot boot systemd in namespaces here", PRIVATE_TMP_SKIP)
+ALLOWED_SKIPS = ("cannot boot systemd in namespaces here",)
 
 
 # The tiers (STYLE.md, "Tests in tiers"): markers by folder and module, so the fast tier is

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import test_deploy
-from conftest import PRIVATE_TMP_SKIP
 from daemon_harness import fetch_json
 from deploy_support import unit_directives
 from test_deploy import (
@@ -315,8 +314,6 @@ def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
     (this test's own base interpreter). Under a real systemd as PID 1 `esi-sidecar
     install` writes a unit that binds just those two folders in, read-only, and the
     service starts, says READY=1 and answers /healthz (issue 39, item 2)."""
-    if Path(sysconfig.get_paths()["purelib"]).resolve().is_relative_to("/tmp"):
-        pytest.skip(PRIVATE_TMP_SKIP)
     base = os.path.realpath(sys._base_executable)  # type: ignore[attr-defined]
     if not in_home(base):
         pytest.skip(f"this test's Python ({base}) is not under a home folder")
@@ -324,17 +321,21 @@ def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
     checkout = copy_checkout(tmp_path / "checkout")
     venv = "/home/alice/esi"
     # A /home of the namespace's own (nothing lands in the host's), and in it a venv that
-    # sees this test venv's packages, so pip needs no index (as reuse_venv does).
+    # sees this test venv's packages, so pip needs no index (as reuse_venv does). They are
+    # bound into the venv's own folder, which the unit binds in: wherever the checkout
+    # lies (under /tmp too, which the unit's PrivateTmp= hides), the service sees them.
+    shared = f"{venv}/test-site-packages"
     steps = [("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/home"),
-             (base, "-m", "venv", "--without-pip", venv)]
+             (base, "-m", "venv", "--without-pip", venv),
+             ("mkdir", shared),
+             ("mount", "--bind", "-o", "ro", sysconfig.get_paths()["purelib"], shared)]
     for step in steps:
         done = systemd.run(*step)
         assert done.returncode == 0, done.stderr
     purelib = systemd.run(f"{venv}/bin/python", "-c",
                           "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     pth = f"{purelib.stdout.strip()}/zz-test-reuse.pth"
-    wrote = systemd.run("sh", "-c", f"printf '%s\\n' \"$1\" > {pth}", "sh",
-                        sysconfig.get_paths()["purelib"])
+    wrote = systemd.run("sh", "-c", f"printf '%s\\n' \"$1\" > {pth}", "sh", shared)
     assert wrote.returncode == 0, wrote.stderr
     made = systemd.run("bash", str(checkout / "install.sh"), "--venv-only", "--prefix", venv,
                        "--python", base, *FAST_PIP, env={**clean_environ(), "PATH": SYSTEMD_PATH})
