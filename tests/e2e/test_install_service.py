@@ -322,11 +322,14 @@ def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
     venv = "/home/alice/esi"
     # A /home of the namespace's own (nothing lands in the host's), and in it a venv that
     # sees this test venv's packages, so pip needs no index (as reuse_venv does). They are
-    # bound into the venv's own folder, which the unit binds in: wherever the checkout
-    # lies (under /tmp too, which the unit's PrivateTmp= hides), the service sees them.
-    shared = f"{venv}/test-site-packages"
+    # bound read-only onto a tmpfs of the namespace's own at /mnt, outside the homes and
+    # /tmp (which the unit's ProtectHome= and PrivateTmp= hide) and outside the venv (so
+    # pip never uninstalls this test venv's esi-sidecar): wherever the checkout lies, the
+    # service sees them.
+    shared = "/mnt/test-site-packages"
     steps = [("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/home"),
              (base, "-m", "venv", "--without-pip", venv),
+             ("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/mnt"),
              ("mkdir", shared),
              ("mount", "--bind", "-o", "ro", sysconfig.get_paths()["purelib"], shared)]
     for step in steps:
