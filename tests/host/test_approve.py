@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from daemon_harness import RunningDaemon, get_json, serve_daemon, wait_for
 
 from sidecar.checkpoint.folders import atomic_checkpoint
 from sidecar.checkpoint.manifest import MANIFEST_NAME
+from sidecar.host.approve import Approver
+from sidecar.host.sources.base import SourceError
 from sidecar.timeparse import format_rfc3339
 from sidecar.tools.emulator.azure import AzureImdsEmulator
 from sidecar.train.client import SidecarClient
@@ -184,3 +187,62 @@ def test_approval_is_off_unless_asked(tmp_path: Path) -> None:
         wait_for(lambda: SidecarClient(daemon.url).last_durable_step() == 1, timeout=30)
         assert daemon.daemon.approver is None  # no rounds to wait for: none can approve
     assert azure.approved == []
+
+
+# ------------------------------------------------------------ one round, several sources
+# The daemon runs one approvable source per platform; these pin the round itself over
+# several at once (the Approvable protocol, the platform's side recorded), so that one
+# source with nothing to do, one not ready yet or one whose service refuses never keeps
+# another's events from being approved.
+
+
+class Platform:
+    """An approvable source: its pending events, what it was asked to approve, and a
+    refusal of the service (as the Azure emulator's ``refuse_approvals``)."""
+
+    approve_enabled = True
+
+    def __init__(self, name: str, pending: list[tuple[str, float, str]],
+                 refuse: bool = False) -> None:
+        self.name, self._pending, self.refuse = name, pending, refuse
+        self.asked: list[list[str]] = []
+
+    def pending(self) -> list[tuple[str, float, str]]:
+        return list(self._pending)
+
+    def approve(self, event_ids: Sequence[str]) -> None:
+        self.asked.append(list(event_ids))
+        if self.refuse:
+            raise SourceError("500 Internal Server Error")
+        self._pending = [p for p in self._pending if p[0] not in event_ids]
+
+
+def test_a_round_goes_on_past_a_source_with_nothing_pending_one_not_ready_and_one_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    idle = Platform("idle", [])
+    early = Platform("early", [("e-1", 200.0, "Preempt")])  # seen after the checkpoint
+    refused = Platform("refused", [("r-1", 50.0, "Preempt")], refuse=True)
+    ready = Platform("ready", [("a-1", 100.0, "Preempt"), ("a-2", 90.0, "Reboot")])
+    approver = Approver(lambda: [idle, early, refused, ready], lambda: 100.0)
+    with caplog.at_level(logging.INFO, "sidecar.host.approve"):
+        assert approver.check_once() == ["a-1", "a-2"]
+    # Seen at the very instant the checkpoint's appearance was bounded (100.0): it
+    # appeared after the event, so it counts.
+    assert ready.asked == [["a-1", "a-2"]] and early.asked == []
+    assert refused.asked == [["r-1"]]
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused: approving r-1 failed: 500 Internal Server Error",
+        "ready: approved a-1, a-2: a checkpoint saved after the notice is durable"]
+    assert approver.rounds == 1
+
+
+def test_without_an_uploader_every_pending_event_is_named_once_and_none_approved(
+        caplog: pytest.LogCaptureFixture) -> None:
+    first = Platform("azure", [("a-1", 10.0, "Preempt"), ("a-2", 11.0, "Freeze")])
+    approver = Approver(lambda: [first], None)
+    with caplog.at_level(logging.WARNING, "sidecar.host.approve"):
+        assert approver.check_once() == [] and approver.check_once() == []
+    assert first.asked == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "azure: not approving a-1, a-2: approval needs the uploader (--upload-to), "
+        "a local checkpoint dies with the VM"]
