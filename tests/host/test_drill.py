@@ -300,3 +300,23 @@ def test_the_daemon_fails_a_late_durable_report_sent_over_http() -> None:
         assert last["reason"] == "durable 2.5 s after the drill deadline"
         with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as response:
             assert 'esi_sidecar_drills_total{result="pass"} 0.0' in response.read().decode()
+
+
+def test_the_first_verdict_stands_against_later_reports_of_the_same_result() -> None:
+    """A second rank's PASS (or FAIL after a FAIL) changes nothing: the verdict, its time
+    and the figures stay the first report's, and the figures carry only what it said."""
+    for outcome, lead, result in (("durable", 8.0, "pass"), ("not-durable", None, "fail")):
+        board = DrillBoard()
+        board.start(60.0, real_deadline=None, jobs=JOB, now=1000.0)
+        board.report(report(outcome, **({} if lead is None else {"lead_seconds": lead})),
+                     job="j:1", rank=0, step=7, reason=None, now=1052.0)
+        first = board.body(None, 1052.0)["drills"][0]
+        board.report(report(outcome, lead_seconds=3.0, save_seconds=2.0), job="j:1", rank=1,
+                     step=8, reason=None, now=1055.0)
+        last = board.body(None, 1055.0)["drills"][0]
+        assert last["result"] == result and last["reason"] == first["reason"]
+        assert last["decided_at_unix"] == 1052.0
+        assert last["figures"] == {"id": "drill-1", "outcome": outcome, "job": "j:1",
+                                   "rank": 0, "step": 7,
+                                   **({} if lead is None else {"lead_seconds": lead})}
+        assert board.body(None, 1055.0)["counts"][result] == 1

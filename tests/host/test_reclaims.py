@@ -159,6 +159,21 @@ def test_an_account_longer_than_the_daemon_ran_plus_a_day_is_refused_and_counted
     assert ledger.body()["count"] == 1
 
 
+def test_a_daemon_just_started_allows_a_day_and_not_a_second_more() -> None:
+    clock = [1_700_000_000.0]
+    ledger = ReclaimLedger(clock=lambda: clock[0])  # asked at the instant it started
+
+    def cost(released: float, lost: float) -> ReleaseCost:
+        return ReleaseCost(released_unix=released, state_unix=released - lost,
+                           resumed_step=None, lost_seconds=lost, redone_seconds=0.0,
+                           idle_seconds=0.0, saves=0, job="j:1")
+
+    with pytest.raises(AccountRefused, match="more than this daemon has run"):
+        ledger.record(cost(1_699_999_000.0, SLACK_SECONDS + 0.5))
+    assert ledger.record(cost(1_699_999_100.0, SLACK_SECONDS))
+    assert ledger.body()["refused"] == {"implausible": 1, "rate": 0}
+
+
 def test_a_restore_posts_its_account_once_and_a_bad_one_is_refused() -> None:
     import json as _json
     import urllib.error
