@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -27,7 +28,7 @@ from sidecar.checkpoint.folders import atomic_checkpoint, latest_valid
 from sidecar.checkpoint.manifest import MANIFEST_NAME, CheckpointInfo
 from sidecar.host.statefile import StateFile
 from sidecar.host.upload.commit_check import DurableFile
-from sidecar.host.upload.identity import VOLUME_MARKER, VolumeIdentity
+from sidecar.host.upload.identity import VOLUME_MARKER, NotTheVolume, VolumeIdentity
 from sidecar.host.upload.volume import Cancelled, VolumeDestination
 from sidecar.host.upload.volume_section import MAX_FOLDERS, VolumeSection
 from sidecar.train.client import SidecarClient
@@ -437,3 +438,137 @@ def test_a_damaged_marker_on_another_mount_is_not_written_back(tmp_path: Path) -
     assert out["left"] == [VOLUME_MARKER]
     assert out["back"] == "accepted" and out["back_within"] == "accepted"
     assert out["committed"] == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+# ------------------------------------------- the identity's own checks, on a mountinfo
+# The mount namespace tests above run the uploader in a child process, which the
+# mutation check cannot follow into; these drive VolumeIdentity itself in this process,
+# its mounts described by a mountinfo file of the test's own (the format of
+# /proc/self/mountinfo) and an empty fstab, so each check is reached directly.
+
+
+class Mounts:
+    """A mountinfo file: the root file system and the volume's mount at ``point``."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.point = tmp_path / "mnt"
+        self.root = self.point / "run"
+        self.root.mkdir(parents=True)
+        self.file = tmp_path / "mountinfo"
+        self.fstab = tmp_path / "fstab"
+        self.fstab.write_text("")
+        self.at(40)
+
+    def at(self, mount_id: int, point: Optional[Path] = None) -> None:
+        """The volume mounted (again) with ``mount_id``, at ``point`` (its own by default)."""
+        where = point or self.point
+        self.file.write_text(f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                             f"{mount_id} 1 0:55 / {where} rw - nfs4 server:/export rw\n")
+
+    def identity(self) -> VolumeIdentity:
+        return VolumeIdentity(self.root, fstab=self.fstab, mountinfo=self.file)
+
+
+def marker_id(root: Path) -> str:
+    return (root / VOLUME_MARKER).read_text().split()[-1]
+
+
+def damage(root: Path) -> None:
+    """The marker overwritten in place (it is 0444; root writes it all the same)."""
+    (root / VOLUME_MARKER).write_text("esi-sidecar uploader pid=1\n")
+
+
+def test_a_marker_already_there_is_adopted_not_replaced(tmp_path: Path) -> None:
+    mounts = Mounts(tmp_path)
+    (mounts.root / VOLUME_MARKER).write_text("esi-sidecar volume 0123abcd\n")
+    identity = mounts.identity()
+    identity.confirm()
+    assert identity.volume_id == "0123abcd" and marker_id(mounts.root) == "0123abcd"
+
+
+def test_a_remount_is_said_remembered_and_the_mount_followed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    changes: list[Any] = []
+    identity.on_change = changes.append
+    identity.confirm()
+    device = os.stat(mounts.root).st_dev
+    assert identity.mount is not None and identity.mount.point == mounts.point
+    assert identity.mount.mount_id == 40
+    mounts.at(41)  # the same volume mounted again: a new mount id
+    with caplog.at_level(logging.INFO, "sidecar.host.upload.identity"):
+        identity.confirm()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{mounts.point} was mounted again (mount 41, device {device}; was 40, {device}); "
+        f"its {VOLUME_MARKER} is the same"]
+    assert identity.mount.mount_id == 41
+    assert [c.mount.mount_id for c in changes] == [40, 41]
+    assert changes[-1].volume_id == marker_id(mounts.root)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "sidecar.host.upload.identity"):
+        identity.confirm()  # nothing new: nothing said, nothing remembered anew
+    assert caplog.records == [] and len(changes) == 2
+
+
+def test_a_nearer_mount_point_is_refused_naming_both(tmp_path: Path) -> None:
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    identity.confirm()
+    mounts.at(42, point=mounts.root)  # another file system mounted at the folder itself
+    with pytest.raises(NotTheVolume) as refused:
+        identity.confirm()
+    assert str(refused.value) == (
+        f"destination {mounts.root} is not the volume it was: not mounted? (it is no longer "
+        f"on the file system mounted at {mounts.point}, but on the one at {mounts.root})")
+
+
+@pytest.mark.parametrize("confirms_before", [1, 2])
+def test_a_damaged_marker_on_the_confirmed_mount_is_written_back_and_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, confirms_before: int) -> None:
+    """After the first use (1) or after a later check (2): the mount the marker was last
+    seen on is the one now, so the marker is written back from memory."""
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    for _ in range(confirms_before):
+        identity.confirm()
+    known = identity.volume_id
+    damage(mounts.root)
+    with caplog.at_level(logging.WARNING, "sidecar.host.upload.identity"):
+        identity.confirm()
+    assert marker_id(mounts.root) == known
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the {VOLUME_MARKER} of {mounts.root} was overwritten; written back from the "
+        "daemon's memory (the mount is the one it was)"]
+
+
+def test_a_marker_that_appears_after_the_start_is_adopted_not_overwritten(
+        tmp_path: Path) -> None:
+    """Two hosts on one shared volume: this daemon started before the other wrote the
+    marker; at its first commit it takes the other's marker, never one of its own over
+    it (the other would then refuse the volume as another)."""
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    identity.start()
+    assert identity.volume_id is None  # nothing there yet, nothing remembered
+    (mounts.root / VOLUME_MARKER).write_text("esi-sidecar volume feedface\n")
+    identity.confirm()
+    assert identity.volume_id == "feedface" and marker_id(mounts.root) == "feedface"
+
+
+def test_a_damaged_marker_after_a_remount_is_refused_not_written_back(tmp_path: Path) -> None:
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    identity.confirm()
+    identity.confirm()  # checked on the mount it is on
+    known = identity.volume_id
+    assert known is not None
+    mounts.at(43)  # mounted again: the damage may have come with it
+    damage(mounts.root)
+    with pytest.raises(NotTheVolume) as refused:
+        identity.confirm()
+    assert str(refused.value) == (
+        f"destination {mounts.root} is not the volume it was: not mounted? (its "
+        f"{VOLUME_MARKER} is damaged; the daemon's volume has id {known[:8]}..., kept in "
+        "its state file)")
+    assert (mounts.root / VOLUME_MARKER).read_text() == "esi-sidecar uploader pid=1\n"
