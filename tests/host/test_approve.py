@@ -221,7 +221,8 @@ def test_a_round_goes_on_past_a_source_with_nothing_pending_one_not_ready_and_on
         caplog: pytest.LogCaptureFixture) -> None:
     idle = Platform("idle", [])
     early = Platform("early", [("e-1", 200.0, "Preempt")])  # seen after the checkpoint
-    refused = Platform("refused", [("r-1", 50.0, "Preempt")], refuse=True)
+    refused = Platform("refused", [("r-1", 50.0, "Preempt"), ("r-2", 60.0, "Freeze")],
+                       refuse=True)
     ready = Platform("ready", [("a-1", 100.0, "Preempt"), ("a-2", 90.0, "Reboot")])
     approver = Approver(lambda: [idle, early, refused, ready], lambda: 100.0)
     with caplog.at_level(logging.INFO, "sidecar.host.approve"):
@@ -229,9 +230,9 @@ def test_a_round_goes_on_past_a_source_with_nothing_pending_one_not_ready_and_on
     # Seen at the very instant the checkpoint's appearance was bounded (100.0): it
     # appeared after the event, so it counts.
     assert ready.asked == [["a-1", "a-2"]] and early.asked == []
-    assert refused.asked == [["r-1"]]
+    assert refused.asked == [["r-1", "r-2"]]
     assert [r.getMessage() for r in caplog.records] == [
-        "refused: approving r-1 failed: 500 Internal Server Error",
+        "refused: approving r-1, r-2 failed: 500 Internal Server Error",
         "ready: approved a-1, a-2: a checkpoint saved after the notice is durable"]
     assert approver.rounds == 1
 
