@@ -572,3 +572,55 @@ def test_a_damaged_marker_after_a_remount_is_refused_not_written_back(tmp_path: 
         f"{VOLUME_MARKER} is damaged; the daemon's volume has id {known[:8]}..., kept in "
         "its state file)")
     assert (mounts.root / VOLUME_MARKER).read_text() == "esi-sidecar uploader pid=1\n"
+
+
+def test_fstab_mount_points_refuse_only_an_unmounted_one_at_or_above_the_folder(
+        tmp_path: Path) -> None:
+    """fstab says what should be mounted; mountinfo what is. Refused: the nearest fstab
+    point at or above the folder that is not mounted (named). Not refused: the point
+    mounted, or a point elsewhere that is not mounted."""
+    mounts = Mounts(tmp_path)
+    outer = tmp_path  # an fstab point above the volume's, not mounted either
+    elsewhere = tmp_path.parent / "elsewhere"
+    mounts.fstab.write_text(f"server:/export {mounts.point} nfs4 defaults 0 0\n"
+                            f"/dev/sdb1 {outer} ext4 defaults 0 2\n"
+                            f"/dev/sdc1 {elsewhere} ext4 defaults 0 2\n")
+    mounts.identity().start()  # the volume is mounted (mountinfo): accepted
+    mounts.file.write_text("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n")  # nothing mounted
+    with pytest.raises(NotTheVolume) as refused:
+        mounts.identity().start()
+    assert str(refused.value) == (
+        f"destination {mounts.root} is not the volume it was: not mounted? "
+        f"({mounts.fstab} mounts {mounts.point}, which is not mounted now)")
+    mounts.fstab.write_text(f"/dev/sdc1 {elsewhere} ext4 defaults 0 2\n")
+    mounts.identity().start()  # only a point elsewhere is missing: not this folder's
+
+
+def test_a_restart_on_another_mount_point_is_refused_naming_both(tmp_path: Path) -> None:
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    identity.confirm()
+    assert identity.remembered is not None
+    mounts.at(44, point=mounts.root)  # after the restart the folder is a mount of its own
+    again = mounts.identity()
+    again.remembered = identity.remembered
+    with pytest.raises(NotTheVolume) as refused:
+        again.start()
+    assert str(refused.value) == (
+        f"destination {mounts.root} is not the volume it was: not mounted? (it was on the "
+        f"file system mounted at {mounts.point}, now it is on the one at {mounts.root})")
+
+
+def test_a_marker_damaged_while_the_daemon_was_down_on_the_same_mount_is_written_back(
+        tmp_path: Path) -> None:
+    """A restart with no remount between (the mount remembered is the mount now): the
+    damaged marker is written back from the state file's id, as within one run."""
+    mounts = Mounts(tmp_path)
+    identity = mounts.identity()
+    identity.confirm()
+    known, remembered = identity.volume_id, identity.remembered
+    damage(mounts.root)
+    again = mounts.identity()
+    again.remembered = remembered
+    again.start()
+    assert again.volume_id == known and marker_id(mounts.root) == known
