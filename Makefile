@@ -89,15 +89,6 @@ MUTANTS := \
   'sidecar.host.upload.identity.x_mount_of*' \
   'sidecar.host.upload.identity.xǁVolumeIdentityǁ[cs]*' \
   'sidecar.host.upload.identity.xǁVolumeIdentityǁ_check_marker*' \
-  'sidecar.host.upload.volume_stage.x_seal_folder*' \
-  'sidecar.host.upload.volume_stage.x_make_read_only*' \
-  'sidecar.host.upload.volume_stage.x__rename_onto*' \
-  'sidecar.host.upload.volume_stage.x__link*' \
-  'sidecar.host.upload.volume_stage.xǁVolumeStagingǁ*' \
-  'sidecar.host.upload.volume_stage.xǁ_NewFileǁ*' \
-  'sidecar.host.upload.s3_stage.x_verify_sizes*' \
-  'sidecar.host.upload.s3_stage.x_read_remote_manifest*' \
-  'sidecar.host.upload.s3_stage.xǁS3Stagingǁ*' \
   'sidecar.host.features.drills.board.x_verdict_of*' \
   'sidecar.host.features.drills.board.xǁDrillBoardǁreport*' \
   'sidecar.host.features.drills.board.xǁDrillBoardǁ_decide*' \
