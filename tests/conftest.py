@@ -74,6 +74,7 @@ INTEGRATION_MODULES = frozenset({
     "host/test_serve_process.py",                    # `esi-sidecar serve` as a process
     "host/test_hostile_connections.py",              # the daemon's connection cap, filled
     "host/test_hostile_posts.py",                    # floods of forged posts, a release waited on
+    "host/test_reclaims_release.py",                 # a real release waited on, then restore
     "test_cli.py",                                   # the CLI as a process, against a daemon
     "train/test_client_stdlib_only.py",              # a bare venv per Python
 })
