@@ -69,21 +69,23 @@ def test_the_ledger_keeps_its_accounts_across_a_restart() -> None:
         raise AssertionError("a bad section was loaded")
 
 
+def account_of(released: float, lost: float) -> ReleaseCost:
+    """A restore's account of ``lost`` seconds before a release at ``released``."""
+    return ReleaseCost(released_unix=released, state_unix=released - lost, resumed_step=None,
+                       lost_seconds=lost, redone_seconds=0.0, idle_seconds=0.0, saves=0,
+                       job="j:1")
+
+
 def test_an_account_longer_than_the_daemon_ran_plus_a_day_is_refused_and_counted() -> None:
     clock = [1_700_000_000.0]
     ledger = ReclaimLedger(clock=lambda: clock[0])
     clock[0] += 3600.0  # the daemon has run an hour: no release it saw cost more than 25 h
     bound = 3600.0 + SLACK_SECONDS
 
-    def cost(released: float, lost: float) -> ReleaseCost:
-        return ReleaseCost(released_unix=released, state_unix=released - lost,
-                           resumed_step=None, lost_seconds=lost, redone_seconds=0.0,
-                           idle_seconds=0.0, saves=0, job="j:1")
-
-    assert ledger.record(cost(1_700_003_000.0, bound))  # exactly the bound: kept
+    assert ledger.record(account_of(1_700_003_000.0, bound))  # exactly the bound: kept
     for n, released in enumerate((1_700_003_100.0, 1_700_003_200.0), start=1):
         with pytest.raises(AccountRefused, match="more than this daemon has run") as refused:
-            ledger.record(cost(released, bound + 1.0))
+            ledger.record(account_of(released, bound + 1.0))
         assert refused.value.status == 422
         assert ledger.body()["refused"] == {"implausible": n, "rate": 0}
     assert ledger.body()["count"] == 1
@@ -93,14 +95,9 @@ def test_a_daemon_just_started_allows_a_day_and_not_a_second_more() -> None:
     clock = [1_700_000_000.0]
     ledger = ReclaimLedger(clock=lambda: clock[0])  # asked at the instant it started
 
-    def cost(released: float, lost: float) -> ReleaseCost:
-        return ReleaseCost(released_unix=released, state_unix=released - lost,
-                           resumed_step=None, lost_seconds=lost, redone_seconds=0.0,
-                           idle_seconds=0.0, saves=0, job="j:1")
-
     with pytest.raises(AccountRefused, match="more than this daemon has run"):
-        ledger.record(cost(1_699_999_000.0, SLACK_SECONDS + 0.5))
-    assert ledger.record(cost(1_699_999_100.0, SLACK_SECONDS))
+        ledger.record(account_of(1_699_999_000.0, SLACK_SECONDS + 0.5))
+    assert ledger.record(account_of(1_699_999_100.0, SLACK_SECONDS))
     assert ledger.body()["refused"] == {"implausible": 1, "rate": 0}
 
 
