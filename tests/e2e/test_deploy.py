@@ -771,6 +771,20 @@ class BootedSystemd:
             capture_output=True, text=True, timeout=timeout,
         )
 
+    def share_test_packages(self) -> str:
+        """This test venv's packages, bound read-only onto a tmpfs of the namespace's own
+        (/mnt): outside the homes and /tmp, which the unit's ProtectHome= and PrivateTmp=
+        hide, so the service sees them wherever the checkout lies, and outside any venv a
+        test makes, so pip never uninstalls this venv's esi-sidecar. Returns the folder,
+        for a venv's .pth (as reuse_venv does outside the namespace)."""
+        shared = "/mnt/test-site-packages"
+        for step in (("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/mnt"),
+                     ("mkdir", shared),
+                     ("mount", "--bind", "-o", "ro", sysconfig.get_paths()["purelib"], shared)):
+            done = self.run(*step)
+            assert done.returncode == 0, done.stderr
+        return shared
+
     def show(self, *properties: str) -> dict[str, str]:
         result = self.run("systemctl", "show", "esi-sidecar.service",
                           *(f"--property={name}" for name in properties))

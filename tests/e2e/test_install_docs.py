@@ -23,7 +23,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,13 +202,7 @@ def test_the_host_block_runs_a_healthy_service_with_a_python_under_roots_home(
 
     made = in_checkout(lines[1])
     assert made.returncode == 0, made.stderr
-    # This test venv's packages bound read-only beside the new venv (the namespace's /opt is
-    # a tmpfs), so the service sees them wherever the checkout lies (under /tmp too, which
-    # the unit's PrivateTmp= hides), and outside the venv, so pip leaves them alone.
-    shared = "/opt/esi-test-site-packages"
-    bound = in_checkout(f"mkdir {shared}", "mount --bind -o ro "
-                        + shlex.quote(sysconfig.get_paths()["purelib"]) + f" {shared}")
-    assert bound.returncode == 0, bound.stderr
+    shared = systemd.share_test_packages()
     reuse = in_checkout(f"printf '%s\\n' {shared} > \"$(/opt/esi-sidecar/bin/"
                         "python -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])')"
                         "/zz-test-reuse.pth\"")

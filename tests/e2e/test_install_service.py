@@ -14,7 +14,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -321,20 +320,13 @@ def test_a_venv_in_a_home_on_a_python_in_roots_home_runs_under_real_systemd(
     checkout = copy_checkout(tmp_path / "checkout")
     venv = "/home/alice/esi"
     # A /home of the namespace's own (nothing lands in the host's), and in it a venv that
-    # sees this test venv's packages, so pip needs no index (as reuse_venv does). They are
-    # bound read-only onto a tmpfs of the namespace's own at /mnt, outside the homes and
-    # /tmp (which the unit's ProtectHome= and PrivateTmp= hide) and outside the venv (so
-    # pip never uninstalls this test venv's esi-sidecar): wherever the checkout lies, the
-    # service sees them.
-    shared = "/mnt/test-site-packages"
+    # sees this test venv's packages, so pip needs no index (as reuse_venv does).
     steps = [("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/home"),
-             (base, "-m", "venv", "--without-pip", venv),
-             ("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", "/mnt"),
-             ("mkdir", shared),
-             ("mount", "--bind", "-o", "ro", sysconfig.get_paths()["purelib"], shared)]
+             (base, "-m", "venv", "--without-pip", venv)]
     for step in steps:
         done = systemd.run(*step)
         assert done.returncode == 0, done.stderr
+    shared = systemd.share_test_packages()
     purelib = systemd.run(f"{venv}/bin/python", "-c",
                           "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     pth = f"{purelib.stdout.strip()}/zz-test-reuse.pth"
